@@ -1,0 +1,145 @@
+"""Job settings: defaults, environment variables, validation, and agreement between peers.
+
+Every peer of a run must agree on the job settings. The first peer writes them (inside the
+run record); a later peer adopts whatever it did not set itself, and fails with a message
+naming both values when it set something differently. Identical peers started by systemd
+therefore need no arguments: everything can come from ``PEER_ELASTIC_*`` variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from peer_elastic.errors import ConfigError
+from peer_elastic.records import JobConfig
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    env: str
+    kind: type
+    default: Any
+    help: str
+
+
+#: Every job setting, its environment variable and default. The README's configuration
+#: reference is generated from this table.
+JOB_FIELDS: tuple[_Field, ...] = (
+    _Field("min_np", "PEER_ELASTIC_MIN_NP", int, 1,
+           "fewest peers a generation may have; below it peers wait (elastic timeout)"),
+    _Field("max_np", "PEER_ELASTIC_MAX_NP", int, 0,
+           "most peers in a generation; later ones are standbys (0 = unlimited)"),
+    _Field("lease_ttl_s", "PEER_ELASTIC_LEASE_TTL", float, 5.0,
+           "member lease TTL: a peer cut off from etcd for this long stops and rejoins"),
+    _Field("join_timeout_s", "PEER_ELASTIC_JOIN_TIMEOUT", float, 1.0,
+           "a roster member that does not acknowledge a new generation within this is dropped "
+           "(this bounds crash recovery)"),
+    _Field("elastic_timeout_s", "PEER_ELASTIC_ELASTIC_TIMEOUT", float, 600.0,
+           "how long peers wait while fewer than min_np are available before failing"),
+    _Field("reset_limit", "PEER_ELASTIC_RESET_LIMIT", int, 0,
+           "fail the job after this many resets (0 = unlimited)"),
+    _Field("blacklist_after", "PEER_ELASTIC_BLACKLIST_AFTER", int, 0,
+           "exclude a host after this many member failures on it (0 = never)"),
+    _Field("blacklist_cooldown_s", "PEER_ELASTIC_BLACKLIST_COOLDOWN", float, 300.0,
+           "how long a blacklisted host stays excluded"),
+    _Field("settle_s", "PEER_ELASTIC_SETTLE", float, 0.05,
+           "quiet time after a join or leave before a new generation is written (batches bursts)"),
+    _Field("start_settle_s", "PEER_ELASTIC_START_SETTLE", float, 1.0,
+           "quiet time before the first generation, unless max_np peers are already there"),
+    _Field("run_ttl_s", "PEER_ELASTIC_RUN_TTL", float, 60.0,
+           "how long a run's keys (and its done record) outlive its last peer"),
+)
+_BY_NAME = {f.name: f for f in JOB_FIELDS}
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Job settings as one peer was given them. ``None`` means "not set here: adopt"."""
+
+    min_np: int | None = None
+    max_np: int | None = None
+    lease_ttl_s: float | None = None
+    join_timeout_s: float | None = None
+    elastic_timeout_s: float | None = None
+    reset_limit: int | None = None
+    blacklist_after: int | None = None
+    blacklist_cooldown_s: float | None = None
+    settle_s: float | None = None
+    start_settle_s: float | None = None
+    run_ttl_s: float | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:
+        """Settings from ``PEER_ELASTIC_*`` variables; explicit ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in JOB_FIELDS:
+            raw = env.get(f.env)
+            if raw is not None and raw.strip() != "":
+                try:
+                    values[f.name] = f.kind(raw)
+                except ValueError:
+                    raise ConfigError(f"{f.env}={raw!r} is not a valid {f.kind.__name__}") from None
+        for k, v in overrides.items():
+            if k not in _BY_NAME:
+                raise ConfigError(f"unknown job setting {k!r}")
+            if v is not None:
+                values[k] = v
+        return cls(**values)
+
+    def resolved(self) -> JobConfig:
+        """The full config this peer would write if it started the run."""
+        cfg = JobConfig()
+        for f in JOB_FIELDS:
+            v = getattr(self, f.name)
+            setattr(cfg, f.name, f.default if v is None else v)
+        validate(cfg)
+        return cfg
+
+    def check_against(self, job: JobConfig, job_name: str) -> None:
+        """Raise :class:`ConfigError` naming every setting this peer set differently."""
+        diffs = []
+        for f in JOB_FIELDS:
+            mine = getattr(self, f.name)
+            if mine is None:
+                continue
+            theirs = getattr(job, f.name)
+            same = abs(mine - theirs) < 1e-9 if f.kind is float else mine == theirs
+            if not same:
+                diffs.append(f"{f.name}: this peer has {mine!r} ({f.env}), the job has {theirs!r}")
+        if diffs:
+            raise ConfigError(
+                f"settings differ from job {job_name!r}'s running run: " + "; ".join(diffs)
+                + ". Start this peer with the job's settings, leave them unset to adopt them, "
+                "or change the job's settings."
+            )
+
+
+def validate(cfg: JobConfig) -> None:
+    """Reject settings no job can run with, with a message that says which and why."""
+    if cfg.min_np < 1:
+        raise ConfigError(f"min_np must be at least 1, got {cfg.min_np}")
+    if cfg.max_np and cfg.max_np < cfg.min_np:
+        raise ConfigError(f"max_np ({cfg.max_np}) is smaller than min_np ({cfg.min_np})")
+    if cfg.lease_ttl_s < 1:
+        raise ConfigError(f"lease_ttl_s must be at least 1 s (etcd grants whole seconds), "
+                          f"got {cfg.lease_ttl_s}")
+    for name in ("join_timeout_s", "elastic_timeout_s", "blacklist_cooldown_s", "run_ttl_s"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    for name in ("settle_s", "start_settle_s"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
+    if cfg.run_ttl_s < cfg.lease_ttl_s:
+        raise ConfigError(f"run_ttl_s ({cfg.run_ttl_s}) must be at least lease_ttl_s "
+                          f"({cfg.lease_ttl_s})")
+
+
+def config_dict(cfg: JobConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in JOB_FIELDS} | {"paused": cfg.paused}
+
+
+assert {f.name for f in fields(JobSettings)} == set(_BY_NAME)

@@ -1,0 +1,96 @@
+"""Exception types of peer-elastic.
+
+Everything the framework raises on purpose derives from :class:`PeerElasticError`, so a
+caller can catch one type. Raw gRPC errors from the etcd client never escape the adapter
+(:mod:`peer_elastic.etcd.client`); they are mapped onto the types below.
+"""
+
+from __future__ import annotations
+
+
+class PeerElasticError(Exception):
+    """Base of every error peer-elastic raises on purpose."""
+
+
+# --- etcd access -------------------------------------------------------------------------
+
+
+class EtcdError(PeerElasticError):
+    """An etcd request failed for a reason that retrying will not fix."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No etcd endpoint answered within the retry budget.
+
+    The message names the endpoints tried and for how long, so the operator can act.
+    """
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused the credentials (user/password or client certificate)."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease used for a request no longer exists (expired or revoked)."""
+
+
+class RevisionCompacted(EtcdError):
+    """A watch asked for a revision etcd has already compacted away."""
+
+    def __init__(self, compacted_revision: int) -> None:
+        super().__init__(f"revision compacted below {compacted_revision}")
+        self.compacted_revision = compacted_revision
+
+
+# --- job and coordination -------------------------------------------------------------------
+
+
+class ConfigError(PeerElasticError):
+    """Settings are invalid, or differ from the settings the running job was started with."""
+
+
+class RecordError(PeerElasticError):
+    """A value read from etcd is not a valid peer-elastic record."""
+
+
+class LeaseLost(PeerElasticError):
+    """This peer's lease expired or was revoked; it is no longer a member."""
+
+
+class ElasticTimeout(PeerElasticError):
+    """Fewer than ``min_np`` peers were available for longer than the elastic timeout."""
+
+
+class ResetLimitExceeded(PeerElasticError):
+    """The job reset more often than ``reset_limit`` allows."""
+
+
+class JobFinished(PeerElasticError):
+    """The job's run already ended (its ``done`` record exists).
+
+    ``success`` tells whether it ended well; a peer that sees this exits 0 when it did.
+    """
+
+    def __init__(self, message: str, success: bool, reason: str = "") -> None:
+        super().__init__(message)
+        self.success = success
+        self.reason = reason
+
+
+# --- training loop (Horovod Elastic semantics) ------------------------------------------------
+
+
+class HostsUpdatedInterrupt(PeerElasticError):
+    """Membership changed: every roster member raises this at the same ``check_host_updates``.
+
+    ``skip_sync`` is true when the change only removed peers, so live state is already
+    identical everywhere and the broadcast after the reset can be skipped.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated" + (" (removals only)" if skip_sync else ""))
+        self.skip_sync = skip_sync
+
+
+class InternalError(PeerElasticError):
+    """A collective failed (a peer crashed or the group broke); state must be restored."""

@@ -1,0 +1,545 @@
+"""The one place peer-elastic talks to etcd.
+
+Wraps the ``etcd3`` module from the ``cslab-etcd3`` distribution and builds what it lacks:
+
+* endpoints are always a ``MultiEndpointEtcd3Client`` with failover and a short
+  ``time_retry`` (the client's default marks an endpoint failed for 300 s, so a restarted
+  single server would stay unusable for five minutes);
+* transient failures (endpoint down, leader election, "no server available") are retried with
+  bounded exponential backoff, and when the budget runs out the error names the endpoints
+  and how long it tried;
+* raw ``grpc.RpcError`` objects are mapped onto :mod:`peer_elastic.errors` types;
+* user/password auth works on a plaintext channel (the token travels as metadata, the way
+  etcd's own clients do it) and an expired token is renewed transparently.
+
+Nothing above this module imports ``etcd3`` or ``grpc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import etcd3
+import etcd3.exceptions as etcd_exc
+import grpc
+import tenacity
+from etcd3 import etcdrpc
+
+from peer_elastic.errors import (
+    EtcdAuthError,
+    EtcdError,
+    EtcdUnavailable,
+    LeaseNotFound,
+    RevisionCompacted,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ENV_ENDPOINTS = "PEER_ELASTIC_ETCD"
+DEFAULT_PORT = 2379
+
+
+# --- endpoints ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """One etcd endpoint as the user wrote it: ``host:port`` or ``http(s)://host:port``."""
+
+    host: str
+    port: int
+    secure: bool
+
+    @property
+    def netloc(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{'https' if self.secure else 'http'}://{self.netloc}"
+
+
+def parse_endpoints(spec: str | Sequence[str]) -> list[EndpointSpec]:
+    """Parse a comma-separated endpoint list; raise :class:`EtcdError` with the bad item.
+
+    A bare ``host`` gets port 2379; ``https://`` marks the endpoint as TLS. IPv6 hosts are
+    written in brackets (``[::1]:2379``).
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[EndpointSpec] = []
+    for raw in items:
+        item = raw.strip()
+        if not item:
+            continue
+        secure = False
+        if "://" in item:
+            scheme, item = item.split("://", 1)
+            if scheme not in ("http", "https"):
+                raise EtcdError(f"bad etcd endpoint {raw.strip()!r}: scheme must be http or https")
+            secure = scheme == "https"
+        item = item.rstrip("/")
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port_s = rest[1:] if rest.startswith(":") else ""
+        elif item.count(":") == 1:
+            host, port_s = item.split(":")
+        else:
+            host, port_s = item, ""
+        if not host or "/" in host:
+            raise EtcdError(f"bad etcd endpoint {raw.strip()!r}: expected host:port")
+        try:
+            port = int(port_s) if port_s else DEFAULT_PORT
+        except ValueError:
+            raise EtcdError(f"bad etcd endpoint {raw.strip()!r}: port {port_s!r} is not a number") from None
+        if not 0 < port < 65536:
+            raise EtcdError(f"bad etcd endpoint {raw.strip()!r}: port out of range")
+        out.append(EndpointSpec(host, port, secure))
+    if not out:
+        raise EtcdError(
+            f"no etcd endpoint given (pass --etcd host:port[,host:port...] or set {ENV_ENDPOINTS})"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Files for TLS: the CA that signed the servers, and an optional client cert and key."""
+
+    ca_cert: str
+    cert: str | None = None
+    key: str | None = None
+
+
+# --- values returned to callers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd stored it. ``create_revision`` is the key's age; 0 never occurs."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_pb(cls, kv: Any) -> KeyValue:
+        return cls(
+            key=kv.key.decode("utf-8", "replace"),
+            value=bytes(kv.value),
+            create_revision=kv.create_revision,
+            mod_revision=kv.mod_revision,
+            version=kv.version,
+            lease=kv.lease,
+        )
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A put or a delete seen by a watch. For deletes ``value`` is empty."""
+
+    kind: str  # "put" | "delete"
+    kv: KeyValue
+
+
+# Compare/ops for transactions are the client's own small value objects; re-export the
+# builder so callers do not import etcd3 themselves.
+class Txn:
+    """Builders for transaction compares and operations."""
+
+    @staticmethod
+    def version(key: str) -> Any:
+        return etcd3.transactions.Version(key)
+
+    @staticmethod
+    def mod(key: str) -> Any:
+        return etcd3.transactions.Mod(key)
+
+    @staticmethod
+    def create(key: str) -> Any:
+        return etcd3.transactions.Create(key)
+
+    @staticmethod
+    def value(key: str) -> Any:
+        return etcd3.transactions.Value(key)
+
+    @staticmethod
+    def put(key: str, value: bytes, lease: int | None = None) -> Any:
+        return etcd3.transactions.Put(key, value, lease=lease)
+
+    @staticmethod
+    def delete(key: str, prefix: bool = False) -> Any:
+        if prefix:
+            return etcd3.transactions.Delete(key, range_end=etcd3.utils.prefix_range_end(
+                etcd3.utils.to_bytes(key)))
+        return etcd3.transactions.Delete(key)
+
+    @staticmethod
+    def get(key: str) -> Any:
+        return etcd3.transactions.Get(key)
+
+
+# --- error mapping ---------------------------------------------------------------------------------
+
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+}
+_TRANSIENT_CLIENT_ERRORS = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+    etcd_exc.WatchTimedOut,
+)
+
+
+def _rpc_details(exc: BaseException) -> str:
+    try:
+        return str(exc.details())  # type: ignore[attr-defined]
+    except Exception:
+        return str(exc)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that another attempt, perhaps on another endpoint, may not see."""
+    if isinstance(exc, _TRANSIENT_CLIENT_ERRORS):
+        return True
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True  # etcd3 refuses an endpoint it marked failed; time_retry is short
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        if code in _TRANSIENT_CODES:
+            return True
+        details = _rpc_details(exc)
+        # etcd answers these during elections and overload; a retry succeeds.
+        return any(s in details for s in ("leader changed", "no leader", "too many requests",
+                                          "timed out"))
+    return False
+
+
+def _is_token_expired(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and "invalid auth token" in _rpc_details(exc)
+
+
+def map_error(exc: BaseException, what: str) -> Exception:
+    """Turn a client or gRPC error into a peer-elastic error that says what failed."""
+    if isinstance(exc, EtcdError):
+        return exc
+    if isinstance(exc, etcd_exc.RevisionCompactedError):
+        return RevisionCompacted(exc.compacted_revision)
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        details = _rpc_details(exc)
+        if "lease not found" in details:
+            return LeaseNotFound(f"{what}: {details}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+            code == grpc.StatusCode.INVALID_ARGUMENT
+            and any(s in details for s in ("user name", "authentication", "auth", "permission"))
+        ):
+            return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "space exceeded" in details:
+            return EtcdError(
+                f"{what}: etcd is out of space ({details}); compact and defragment it, or "
+                "raise --quota-backend-bytes"
+            )
+        if "too large" in details:
+            return EtcdError(f"{what}: request too large for etcd ({details})")
+        return EtcdError(f"{what}: {code.name if code else 'error'}: {details}")
+    return EtcdError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+# --- the client ------------------------------------------------------------------------------------
+
+
+class EtcdClient:
+    """A thread-safe etcd v3 client with failover, bounded retries and typed errors.
+
+    ``retry_budget_s`` bounds how long one call keeps retrying transient failures; past it the
+    call raises :class:`EtcdUnavailable`. ``timeout_s`` is the per-attempt gRPC deadline.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout_s: float = 2.0,
+        retry_budget_s: float = 15.0,
+        tls: TLSConfig | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        endpoint_retry_s: float = 0.5,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout_s = timeout_s
+        self.retry_budget_s = retry_budget_s
+        if (user is None) != (password is None):
+            raise EtcdAuthError("etcd auth needs both a user and a password")
+        self._user, self._password = user, password
+        secure = tls is not None or any(e.secure for e in self.endpoints)
+        if secure and tls is None:
+            raise EtcdError(
+                "an https:// etcd endpoint needs a CA certificate (--etcd-ca / PEER_ELASTIC_ETCD_CA)"
+            )
+        creds = None
+        if tls is not None:
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(tls.ca_cert, tls.key, tls.cert)
+        self._secure = secure
+        eps = [
+            etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s)
+            for e in self.endpoints
+        ]
+        # Auth is done by hand below, so the client never attaches call credentials to a
+        # plaintext channel (gRPC refuses that).
+        self._raw = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+        self._auth_lock = threading.Lock()
+        self._closed = False
+        if user is not None:
+            self._call(self._authenticate, "authenticate")
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+    def _authenticate(self) -> None:
+        with self._auth_lock:
+            req = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
+            resp = self._raw.authstub.Authenticate(req, self.timeout_s)
+            # Token as plain metadata on every call, watches included.
+            self._raw.metadata = (("token", resp.token),)
+            self._raw.call_credentials = None
+            # Watchers capture metadata when built; drop them so new ones see the token.
+            self._raw._clear_old_stubs()
+
+    def _call(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
+        """Run ``fn`` with retries on transient errors; map every failure to our types."""
+        budget = self.retry_budget_s if budget_s is None else budget_s
+        started = time.monotonic()
+        last: list[BaseException] = []
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except BaseException as exc:
+                last[:] = [exc]
+                if _is_token_expired(exc) and self._user is not None:
+                    self._authenticate()
+                    raise _Retry() from exc
+                raise
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(budget),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05),
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, _Retry) or is_transient(e)),
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except _Retry:
+            raise EtcdAuthError(f"{what}: could not renew the etcd auth token") from None
+        except BaseException as exc:
+            if is_transient(exc):
+                waited = time.monotonic() - started
+                detail = _rpc_details(last[0]) if last else type(exc).__name__
+                if isinstance(exc, _TRANSIENT_CLIENT_ERRORS) and not str(exc):
+                    detail = type(exc).__name__
+                raise EtcdUnavailable(
+                    f"{what}: no etcd endpoint answered ({self.describe()}) "
+                    f"within {waited:.1f} s; last error: {detail}"
+                ) from None
+            raise map_error(exc, what) from None
+
+    # -- key-value --------------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        def do() -> KeyValue | None:
+            resp = self._raw.get_response(key)
+            return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
+
+        return self._call(do, f"get {key}")
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """All keys under ``prefix`` and the store revision they were read at."""
+
+        def do() -> tuple[list[KeyValue], int]:
+            resp = self._raw.get_prefix_response(prefix)
+            return [KeyValue.from_pb(kv) for kv in resp.kvs], resp.header.revision
+
+        return self._call(do, f"get prefix {prefix}")
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        """Store ``value``; returns the revision of the write."""
+
+        def do() -> int:
+            return self._raw.put(key, value, lease=lease).header.revision
+
+        return self._call(do, f"put {key}")
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete a key (or every key under a prefix); returns how many were deleted."""
+
+        def do() -> int:
+            if prefix:
+                return self._raw.delete_prefix(key).deleted
+            return self._raw.delete(key, return_response=True).deleted
+
+        return self._call(do, f"delete {key}")
+
+    def txn(
+        self, compare: Iterable[Any], success: Iterable[Any] = (), failure: Iterable[Any] = ()
+    ) -> tuple[bool, list[Any]]:
+        """One atomic transaction; range results come back as lists of :class:`KeyValue`."""
+        compare, success, failure = list(compare), list(success), list(failure)
+
+        def do() -> tuple[bool, list[Any]]:
+            ok, responses = self._raw.transaction(compare=compare, success=success, failure=failure)
+            out: list[Any] = []
+            for r in responses:
+                if isinstance(r, list):
+                    out.append([
+                        KeyValue(meta.key.decode("utf-8", "replace"), bytes(value),
+                                 meta.create_revision, meta.mod_revision, meta.version,
+                                 meta.lease_id)
+                        for value, meta in r
+                    ])
+                else:
+                    out.append(r)
+            return ok, out
+
+        return self._call(do, "transaction")
+
+    def create(self, key: str, value: bytes, lease: int | None = None) -> tuple[bool, KeyValue | None]:
+        """Create ``key`` only if absent. Returns (created, the existing value if not)."""
+        ok, resp = self.txn(
+            [Txn.version(key) == 0], [Txn.put(key, value, lease)], [Txn.get(key)]
+        )
+        if ok:
+            return True, None
+        existing = resp[0][0] if resp and resp[0] else None
+        return False, existing
+
+    def compare_and_put(
+        self, key: str, value: bytes, mod_revision: int, lease: int | None = None,
+        extra_compare: Iterable[Any] = (), extra_ops: Iterable[Any] = (),
+    ) -> bool:
+        """Put only if ``key`` is still at ``mod_revision`` (0: still absent)."""
+        guard = Txn.version(key) == 0 if mod_revision == 0 else Txn.mod(key) == mod_revision
+        ok, _ = self.txn([guard, *extra_compare], [Txn.put(key, value, lease), *extra_ops])
+        return ok
+
+    def compact(self, revision: int) -> None:
+        self._call(lambda: self._raw.compact(revision, physical=True), f"compact {revision}")
+
+    def revision(self) -> int:
+        """The store's current revision (one cheap range request)."""
+        return self._call(lambda: self._raw.get_response("\0").header.revision, "revision")
+
+    # -- leases ------------------------------------------------------------------------------------
+
+    def grant(self, ttl_s: float) -> int:
+        ttl = max(1, int(round(ttl_s)))
+        return self._call(lambda: self._raw.lease(ttl).id, f"grant lease ttl={ttl}")
+
+    def keepalive(self, lease_id: int, budget_s: float | None = None) -> int:
+        """One keep-alive round trip; returns the new TTL. Raises LeaseNotFound when gone."""
+
+        def do() -> int:
+            ttl = 0
+            for resp in self._raw.refresh_lease(lease_id):
+                ttl = resp.TTL
+            return ttl
+
+        ttl = self._call(do, f"keep lease {lease_id:x} alive", budget_s)
+        if ttl <= 0:
+            raise LeaseNotFound(f"lease {lease_id:x} expired or was revoked")
+        return ttl
+
+    def revoke(self, lease_id: int, budget_s: float | None = None) -> bool:
+        """Revoke a lease (and delete its keys). False when it was already gone."""
+        try:
+            self._call(lambda: self._raw.revoke_lease(lease_id), f"revoke lease {lease_id:x}",
+                       budget_s)
+            return True
+        except LeaseNotFound:
+            return False
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Remaining TTL in seconds; -1 when the lease does not exist."""
+        return self._call(lambda: self._raw.get_lease_info(lease_id).TTL, f"lease {lease_id:x} ttl")
+
+    # -- watches -----------------------------------------------------------------------------------
+
+    def watch_prefix(
+        self,
+        prefix: str,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+        start_revision: int,
+    ) -> int:
+        """Start a raw watch; returns its id. Use :class:`peer_elastic.etcd.watch.PrefixWatch`.
+
+        ``on_events(events, header_revision)`` runs in the client's watch thread; ``on_error``
+        gets a mapped exception once, after which this watch is dead and must be re-created.
+        """
+
+        def callback(resp: Any) -> None:
+            # The client calls back with None when it closed the stream itself (it does so
+            # whenever any request fails over to another endpoint): the watch is dead too.
+            if resp is None or isinstance(resp, BaseException):
+                if resp is None:
+                    err: Exception = EtcdUnavailable(f"watch {prefix}: stream closed")
+                elif is_transient(resp):
+                    err = EtcdUnavailable(f"watch {prefix}: stream lost: {_rpc_details(resp)}")
+                else:
+                    err = map_error(resp, f"watch {prefix}")
+                on_error(err)
+                return
+            events = []
+            for ev in resp.events:
+                kind = "put" if isinstance(ev, etcd3.events.PutEvent) else "delete"
+                events.append(WatchEvent(kind, KeyValue.from_pb(ev._event.kv)))
+            on_events(events, resp.header.revision)
+
+        def do() -> int:
+            return self._raw.add_watch_prefix_callback(
+                prefix, callback, start_revision=start_revision, progress_notify=True
+            )
+
+        return self._call(do, f"watch {prefix}", budget_s=self.timeout_s * 2)
+
+    def cancel_watch(self, watch_id: int) -> None:
+        try:
+            self._raw.cancel_watch(watch_id)
+        except Exception as exc:  # the stream may already be gone; nothing to cancel
+            log.debug("cancel watch %s: %s", watch_id, exc)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._raw.close()
+        except Exception as exc:
+            log.debug("closing etcd client: %s", exc)
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Retry(Exception):
+    """Internal: the auth token was renewed, try the call again."""

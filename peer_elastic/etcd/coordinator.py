@@ -1,0 +1,653 @@
+"""One peer's side of the coordination: membership, leadership, generations.
+
+A :class:`Coordinator` registers the peer as a member of the job's current run (starting a
+run if there is none), keeps its lease alive, and runs one coordination thread that reacts
+to every change of the watched :class:`~peer_elastic.etcd.view.JobView`:
+
+* it acknowledges each generation that lists the peer as soon as it sees it (proof of life:
+  a peer busy in a long training step is not taken for dead);
+* when the peer is the leader (the oldest eligible member) it writes the next generation
+  when the roster must change, guarded by a compare-and-swap on the generation key, so two
+  peers that both believe they lead can never both succeed;
+* it drops roster members that do not acknowledge within ``join_timeout`` (revoking their
+  leases), counts host failures for the blacklist, and enforces the elastic timeout and the
+  reset limit;
+* when its own lease is lost it re-registers as a new member (a joiner).
+
+The training side (torch layer) only reads memory here: :attr:`latest_generation` and the
+``wait_*`` methods. Nothing in this module imports torch, so many members can be simulated
+in one process (pass a shared ``view`` and ``keeper``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from peer_elastic import __version__
+from peer_elastic.config import JobSettings
+from peer_elastic.errors import (
+    ConfigError,
+    ElasticTimeout,
+    EtcdError,
+    JobFinished,
+    LeaseLost,
+    PeerElasticError,
+    RecordError,
+    ResetLimitExceeded,
+)
+from peer_elastic.etcd.client import EtcdClient, Txn
+from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.lease import LeaseKeeper, Session
+from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
+from peer_elastic.etcd.view import JobView, ViewSnapshot
+from peer_elastic.records import (
+    AckRecord,
+    DoneRecord,
+    DrainRecord,
+    EventRecord,
+    GenerationRecord,
+    HostRecord,
+    JobConfig,
+    MemberRecord,
+    ProgressRecord,
+    RunRecord,
+    decode,
+    encode,
+    valid_name,
+)
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.25  # longest the coordination thread sleeps without a change
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This peer's place in one generation."""
+
+    generation: int
+    rank: int
+    size: int
+    roster: tuple[str, ...]
+    needs_sync: bool
+    reason: str
+
+
+def default_host() -> str:
+    host = os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname() or "localhost"
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in host)[:64]
+    return host if valid_name(host) else "host"
+
+
+class Coordinator:
+    """Membership and generations for one peer; see the module docstring."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str,
+        settings: JobSettings | None = None,
+        *,
+        host: str | None = None,
+        address: str = "",
+        local_rank: int = 0,
+        labels: Mapping[str, str] | None = None,
+        view: JobView | None = None,
+        keeper: LeaseKeeper | None = None,
+        auto_rejoin: bool = True,
+    ) -> None:
+        self.client = client
+        self.job = job
+        self.settings = settings or JobSettings()
+        self._wanted = self.settings.resolved()  # validates before touching etcd
+        self.host = host or default_host()
+        if not valid_name(self.host):
+            raise ConfigError(f"invalid host name {self.host!r} for a member id")
+        self.address = address
+        self.local_rank = local_rank
+        self.labels = dict(labels or {})
+        self._own_view = view is None
+        self.view = view or JobView(client, job)
+        self._own_keeper = keeper is None
+        self._keeper = keeper
+        self.auto_rejoin = auto_rejoin
+
+        self.config: JobConfig = self._wanted
+        self.run: RunRecord | None = None
+        self.keys: RunKeys | None = None
+        self.member_id = ""
+        self.incarnation = 0  # bumped each time this peer (re-)registers
+        self._session: Session | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._acked: set[int] = set()
+        self._gen_seen_at: dict[int, float] = {}
+        self._departure_seq = 0
+        self._short_since: float | None = None
+        self._seen_incarnation = -1  # last incarnation our own view has listed
+        self._lost_lease = threading.Event()
+        self.drain_requested = threading.Event()
+        self.error: PeerElasticError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def start(self) -> Coordinator:
+        """Join (or start) the job's run and start the coordination thread.
+
+        Raises :class:`JobFinished` when the run already ended, :class:`ConfigError` when the
+        settings differ from the run's, :class:`EtcdUnavailable` when etcd cannot be reached.
+        """
+        if self._keeper is None:
+            self._keeper = LeaseKeeper(self.client, name=f"lease-keeper:{self.job}")
+        self.view.start()
+        try:
+            self._register()
+        except BaseException:
+            self._shutdown_threads()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"coordinator:{self.member_id}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _new_member_id(self) -> str:
+        return f"{self.host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+    def _register(self) -> None:
+        """Find or create the run, then put our member key under a fresh lease."""
+        assert self._keeper is not None
+        session = Session(self.client, self._wanted.lease_ttl_s, self._keeper, self._on_lease_lost)
+        member_id = self._new_member_id()
+        try:
+            for _attempt in range(20):
+                run_kv = self.client.get(RunKeys(self.job, "x").run_key)
+                if run_kv is None:
+                    if self._create_run(session, member_id):
+                        break
+                    continue
+                run = self._adopt_run(run_kv.value, run_kv.key)
+                keys = RunKeys(self.job, run.run_id)
+                done = self.client.get(keys.done)
+                if done is not None:
+                    self._raise_done(decode(DoneRecord, done.value, done.key))
+                rec = self._member_record(member_id, session.lease_id)
+                ok, _ = self.client.txn(
+                    [Txn.mod(keys.run_key) == run_kv.mod_revision],
+                    [Txn.put(keys.member(member_id), encode(rec), session.lease_id)],
+                )
+                if ok:
+                    self._set_run(run)
+                    break
+            else:
+                raise PeerElasticError(f"job {self.job!r}: the run record kept changing; "
+                                       "could not register after 20 attempts")
+        except BaseException:
+            session.close(revoke=True)
+            raise
+        with self._lock:
+            self._session = session
+            self.member_id = member_id
+            self.incarnation += 1
+            self._lost_lease.clear()
+        assert self.run is not None
+        self._keeper.keep(self.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost)
+        log.info("joined job %s run %s as %s (lease %x)", self.job, self.run.run_id, member_id,
+                 session.lease_id)
+        # Wait until our own watch shows us, so "am I a member" questions are answered.
+        self.view.wait_for(lambda s: member_id in s.members, timeout=max(5.0, self.config.lease_ttl_s))
+
+    def _create_run(self, session: Session, member_id: str) -> bool:
+        cfg = self._wanted
+        run_lease = self.client.grant(cfg.run_ttl_s)
+        run = RunRecord(
+            run_id=f"r{int(time.time())}-{secrets.token_hex(4)}",
+            lease_id=run_lease,
+            created_unix=time.time(),
+            created_by=member_id,
+        )
+        run.config.CopyFrom(cfg)
+        keys = RunKeys(self.job, run.run_id)
+        rec = self._member_record(member_id, session.lease_id)
+        ok, _ = self.client.txn(
+            [Txn.version(keys.run_key) == 0],
+            [
+                Txn.put(keys.run_key, encode(run), run_lease),
+                Txn.put(keys.member(member_id), encode(rec), session.lease_id),
+            ],
+        )
+        if not ok:
+            self.client.revoke(run_lease)
+            return False
+        self._set_run(run)
+        log.info("started run %s of job %s", run.run_id, self.job)
+        return True
+
+    def _adopt_run(self, data: bytes, key: str) -> RunRecord:
+        try:
+            run = decode(RunRecord, data, key)
+        except RecordError as exc:
+            raise ConfigError(
+                f"job {self.job!r} has an unreadable run record ({exc}). If no peer of it is "
+                f"running, delete it: etcdctl del --prefix {RunKeys(self.job, 'x').job_prefix}"
+            ) from None
+        self.settings.check_against(run.config, self.job)
+        return run
+
+    def _set_run(self, run: RunRecord) -> None:
+        self.run = run
+        self.keys = RunKeys(self.job, run.run_id)
+        self.config = run.config
+
+    def _member_record(self, member_id: str, lease_id: int) -> MemberRecord:
+        rec = MemberRecord(
+            member_id=member_id,
+            host=self.host,
+            address=self.address,
+            pid=os.getpid(),
+            local_rank=self.local_rank,
+            lease_id=lease_id,
+            version=__version__,
+            started_unix=time.time(),
+        )
+        rec.labels.update(self.labels)
+        return rec
+
+    def _raise_done(self, done: DoneRecord) -> None:
+        if not done.success and done.reason.startswith("reset limit"):
+            raise ResetLimitExceeded(f"job {self.job!r} failed: {done.reason}")
+        if not done.success and done.reason.startswith("elastic timeout"):
+            raise ElasticTimeout(f"job {self.job!r} failed: {done.reason}")
+        raise JobFinished(
+            f"job {self.job!r} already finished "
+            + ("successfully" if done.success else f"with failure: {done.reason}"),
+            done.success,
+            done.reason,
+        )
+
+    # -- lease loss -------------------------------------------------------------------------------
+
+    def _on_lease_lost(self, lease_id: int, why: str) -> None:
+        with self._lock:
+            if self._session is None or self._session.lease_id != lease_id:
+                return
+            log.warning("member %s lost its lease: %s", self.member_id, why)
+            self._lost_lease.set()
+            self._changed.notify_all()
+
+    def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
+        self._fail(PeerElasticError(
+            f"run {self.run.run_id if self.run else '?'} of job {self.job!r} ended: its lease "
+            f"is gone ({why})"))
+
+    def _fail(self, err: PeerElasticError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = err
+                log.error("%s", err)
+            self._changed.notify_all()
+
+    # -- reading (no etcd I/O) --------------------------------------------------------------------
+
+    def snapshot(self) -> ViewSnapshot:
+        return self.view.snapshot()
+
+    @property
+    def latest_generation(self) -> GenerationRecord | None:
+        return self.view.snapshot().generation
+
+    @property
+    def lease_id(self) -> int:
+        return self._session.lease_id if self._session else 0
+
+    @property
+    def is_leader(self) -> bool:
+        eligible = self.snapshot().eligible()
+        return bool(eligible) and eligible[0].id == self.member_id
+
+    def assignment(self, snap: ViewSnapshot | None = None) -> Assignment | None:
+        """Our place in the current generation, or None (standby, or no generation yet)."""
+        snap = snap or self.snapshot()
+        gen = snap.generation
+        if gen is None or self.member_id not in gen.roster:
+            return None
+        return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
+                          tuple(gen.roster), gen.needs_sync, gen.reason)
+
+    def check(self, snap: ViewSnapshot | None = None) -> None:
+        """Raise whatever ends this peer's participation: done, fatal error."""
+        if self.error is not None:
+            raise self.error
+        snap = snap or self.snapshot()
+        if snap.done is not None:
+            self._raise_done(snap.done)
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def wait_generation(self, after: int = 0, timeout: float | None = None) -> Assignment:
+        """Block until a generation newer than ``after`` lists this peer.
+
+        Standbys wait here until they are promoted. Raises :class:`JobFinished`,
+        :class:`ElasticTimeout`, other fatal errors, or ``TimeoutError``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        version = -1
+        while True:
+            snap = self.snapshot()
+            if snap.version != version:
+                self.check(snap)
+                a = self.assignment(snap)
+                if a is not None and a.generation > after and not self._lost_lease.is_set():
+                    return a
+                version = snap.version
+            left = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"no generation after {after} listed {self.member_id} in time")
+            self.view.wait_change(version, left)
+            if self.error is not None:
+                raise self.error
+
+    def wait_ready(self, generation: int, timeout: float | None = None) -> bool:
+        """Wait until every roster member of ``generation`` acked it.
+
+        False when a newer generation superseded it first (form that one instead).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            self.check(snap)
+            gen = snap.generation
+            if gen is None or gen.number != generation:
+                return False
+            if set(gen.roster) <= snap.ready_for(generation):
+                return True
+            left = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"generation {generation} was not acknowledged in time")
+            self.view.wait_change(snap.version, left)
+
+    # -- actions requested by the training side ---------------------------------------------------
+
+    def mark_broken(self, generation: int, detail: str = "") -> None:
+        """Say that a collective of ``generation`` failed, so the leader proposes the next now."""
+        assert self.keys is not None
+        rec = AckRecord(member_id=self.member_id, generation=generation, unix=time.time(),
+                        detail=detail[:500])
+        self.client.put(self.keys.broken(generation, self.member_id), encode(rec), self.lease_id)
+
+    def request_leave(self, requested_by: str = "") -> None:
+        """Ask to be drained: the next generation forms without this peer, with no rollback."""
+        drain(self.client, self.job, self.member_id, requested_by or self.member_id)
+
+    def record_progress(self, **fields: int) -> None:
+        """Write the last committed position (rank 0 calls this; ``status`` shows it)."""
+        assert self.keys is not None and self.run is not None
+        rec = ProgressRecord(unix=time.time(), **fields)
+        self.client.put(self.keys.progress, encode(rec), self.run.lease_id)
+
+    def finish(self, success: bool = True, reason: str = "") -> bool:
+        """Write the run's ``done`` record (once: the first writer wins). True if we wrote it."""
+        assert self.keys is not None and self.run is not None
+        snap = self.snapshot()
+        rec = DoneRecord(success=success, reason=reason, written_by=self.member_id,
+                         unix=time.time(), generation=snap.generation_number)
+        created, _ = self.client.create(self.keys.done, encode(rec), self.run.lease_id)
+        if created:
+            self._event("done", detail=("success" if success else "failure: " + reason))
+        return created
+
+    def close(self, leave: bool = True) -> None:
+        """Stop coordinating. With ``leave``, revoke the lease so others see us go at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._lock:
+            self._changed.notify_all()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        if self._session is not None:
+            self._session.close(revoke=leave)
+        if self.run is not None and self._keeper is not None:
+            self._keeper.forget(self.run.lease_id)
+        self._shutdown_threads()
+
+    def _shutdown_threads(self) -> None:
+        if self._own_keeper and self._keeper is not None:
+            self._keeper.stop()
+        self.view.stop()
+
+    def __enter__(self) -> Coordinator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the coordination thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        version = -1
+        wake_at: float | None = None
+        while not self._stop.is_set():
+            timeout = _TICK_S if wake_at is None else max(0.0, min(_TICK_S, wake_at - time.monotonic()))
+            version = self.view.wait_change(version, timeout)
+            if self._stop.is_set():
+                return
+            try:
+                wake_at = self._step()
+            except EtcdError as exc:
+                log.warning("coordination step failed, retrying: %s", exc)
+                self._stop.wait(0.2)
+            except PeerElasticError as exc:
+                self._fail(exc)
+                return
+            except Exception:
+                log.exception("coordination step failed unexpectedly; retrying")
+                self._stop.wait(0.5)
+
+    def _step(self) -> float | None:
+        """React to the current picture once. Returns when to look again, if time matters."""
+        if self.error is not None:
+            return None
+        if self._lost_lease.is_set():
+            self._rejoin()
+            return None
+        snap = self.snapshot()
+        if snap.done is not None:
+            with self._lock:
+                self._changed.notify_all()
+            return None
+        if snap.run is None or self.run is None or snap.run.run_id != self.run.run_id:
+            if snap.revision >= self.view.watch.revision and self.run is not None:
+                raise PeerElasticError(f"run {self.run.run_id} of job {self.job!r} disappeared")
+            return None
+        if self.member_id in snap.members:
+            self._seen_incarnation = self.incarnation
+        elif self._seen_incarnation == self.incarnation:
+            # Our key is gone (revoked by the leader for silence, or expired): the lease is
+            # as good as lost even if the keeper has not noticed yet.
+            self._lost_lease.set()
+            return self._step()
+        else:
+            return None  # our registration has not reached the view yet
+        now = time.monotonic()
+        gen = snap.generation
+        if gen is not None:
+            self._gen_seen_at.setdefault(gen.number, now)
+            if self.member_id in gen.roster and gen.number not in self._acked:
+                self._ack(gen.number)
+        if self.member_id in snap.drains:
+            self.drain_requested.set()
+        self.config = snap.run.config
+        return self._lead(snap, now)
+
+    def _ack(self, n: int) -> None:
+        assert self.keys is not None
+        rec = AckRecord(member_id=self.member_id, generation=n, unix=time.time())
+        self.client.put(self.keys.ready(n, self.member_id), encode(rec), self.lease_id)
+        self._acked.add(n)
+
+    def _rejoin(self) -> None:
+        old = self.member_id
+        if self._session is not None:
+            self._session.close(revoke=True)  # the key may still exist if we merely stalled
+        if not self.auto_rejoin:
+            raise LeaseLost(f"member {old} lost its lease")
+        self._acked.clear()
+        self._register()
+        self.stats["rejoins"] += 1
+        log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
+        with self._lock:
+            self._changed.notify_all()
+
+    # -- leader duties ----------------------------------------------------------------------------
+
+    def _lead(self, snap: ViewSnapshot, now: float) -> float | None:
+        cfg = snap.run.config  # type: ignore[union-attr]
+        eligible = snap.eligible()
+        self._check_elastic_timeout(len(eligible), cfg, now)
+        gen = snap.generation
+        silent = silent_members(snap, self._gen_seen_at.get(gen.number) if gen else None,
+                                cfg.join_timeout_s, now)
+        # The writer is the oldest eligible member that is not itself silent, so a silent
+        # leader is replaced by the next-oldest.
+        writer = next((m.id for m in eligible if m.id not in silent), None)
+        if writer != self.member_id:
+            self._departure_seq = snap.departures[-1].seq if snap.departures else 0
+            return None
+        self._count_failures(snap, cfg)
+        if self._short_since is not None and now - self._short_since > cfg.elastic_timeout_s:
+            self._write_done(False, f"elastic timeout: fewer than min_np={cfg.min_np} peers "
+                                    f"for {cfg.elastic_timeout_s:.0f} s")
+            return None
+        plan = plan_next_generation(snap, cfg, silent, now)
+        if isinstance(plan, Wait):
+            if silent or gen is None or plan.until is not None:
+                return plan.until
+            seen = self._gen_seen_at.get(gen.number)
+            pending = set(gen.roster) - snap.ready_for(gen.number)
+            if seen is not None and pending:
+                return seen + cfg.join_timeout_s  # look again when silence would start
+            return None
+        if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:
+            self._write_done(False, f"reset limit exceeded: {plan.number - 1} resets > "
+                                    f"reset_limit={cfg.reset_limit}")
+            return None
+        self._write_generation(snap, plan)
+        return None
+
+    def _check_elastic_timeout(self, available: int, cfg: JobConfig, now: float) -> None:
+        if available >= cfg.min_np:
+            self._short_since = None
+            return
+        if self._short_since is None:
+            self._short_since = now
+        elif now - self._short_since > cfg.elastic_timeout_s:
+            raise ElasticTimeout(
+                f"job {self.job!r}: only {available} of min_np={cfg.min_np} peers were "
+                f"available for {cfg.elastic_timeout_s:.0f} s (elastic timeout); giving up. "
+                "Start more peers, or lower min_np / raise PEER_ELASTIC_ELASTIC_TIMEOUT."
+            )
+
+    def _write_generation(self, snap: ViewSnapshot, plan: GenerationPlan) -> None:
+        assert self.keys is not None and self.run is not None
+        keys, run_lease = self.keys, self.run.lease_id
+        rec = GenerationRecord(
+            number=plan.number, roster=list(plan.roster), reason=plan.reason,
+            needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=time.time(),
+            joined=list(plan.joined), removed=list(plan.removed),
+        )
+        # Still absent acks of dropped members: if one arrives first, the drop is wrong.
+        guards = [Txn.version(keys.ready(plan.number - 1, m)) == 0 for m in plan.dropped]
+        ops = [
+            Txn.put(keys.event(f"{time.time_ns():020d}-{self.member_id}"), encode(EventRecord(
+                kind="generation", member_id=self.member_id, generation=plan.number,
+                detail=plan.reason, unix=time.time())), run_lease),
+        ]
+        if plan.number >= 3:  # two behind: nobody can still be forming it
+            ops.append(Txn.delete(keys.gen_prefix(plan.number - 2), prefix=True))
+        ops += [Txn.delete(keys.drain(m)) for m in snap.drains if m not in snap.members]
+        ok = self.client.compare_and_put(
+            keys.generation, encode(rec), snap.generation_mod_revision, run_lease,
+            extra_compare=guards, extra_ops=ops,
+        )
+        if not ok:
+            self.stats["cas_lost"] += 1
+            log.debug("generation %d: another writer won", plan.number)
+            return
+        self.stats["generations_written"] += 1
+        log.info("generation %d: %d members (%s)", plan.number, len(plan.roster), plan.reason)
+        for m in plan.dropped:
+            member = snap.members.get(m)
+            if member is not None:
+                self.stats["dropped"] += 1
+                self.client.revoke(member.record.lease_id)
+
+    def _write_done(self, success: bool, reason: str) -> None:
+        assert self.keys is not None and self.run is not None
+        rec = DoneRecord(success=success, reason=reason, written_by=self.member_id,
+                         unix=time.time(), generation=self.snapshot().generation_number)
+        created, _ = self.client.create(self.keys.done, encode(rec), self.run.lease_id)
+        if created:
+            log.error("job %s failed: %s", self.job, reason)
+
+    def _count_failures(self, snap: ViewSnapshot, cfg: JobConfig) -> None:
+        """Count non-graceful departures per host; blacklist a host past the threshold."""
+        fresh = [d for d in snap.departures if d.seq > self._departure_seq]
+        if snap.departures:
+            self._departure_seq = snap.departures[-1].seq
+        if not cfg.blacklist_after:
+            return
+        assert self.keys is not None and self.run is not None
+        for d in fresh:
+            if d.graceful:
+                continue
+            prev, mod = snap.failures.get(d.host, (None, 0))
+            count = (prev.failures if prev else 0) + 1
+            rec = HostRecord(host=d.host, failures=count, unix=time.time(),
+                             reason=f"member {d.member_id} failed")
+            if count >= cfg.blacklist_after:
+                lease = self.client.grant(cfg.blacklist_cooldown_s)
+                self.client.txn([], [
+                    Txn.put(self.keys.blacklist(d.host), encode(rec), lease),
+                    Txn.delete(self.keys.failures(d.host)),
+                ])
+                self._event("blacklisted", detail=f"{d.host}: {count} failures; excluded for "
+                                                  f"{cfg.blacklist_cooldown_s:.0f} s")
+            else:
+                self.client.compare_and_put(self.keys.failures(d.host), encode(rec), mod,
+                                            self.run.lease_id)
+
+    def _event(self, kind: str, detail: str = "", **timings: float) -> None:
+        if self.keys is None or self.run is None:
+            return
+        rec = EventRecord(kind=kind, member_id=self.member_id, detail=detail, unix=time.time(),
+                          generation=self.snapshot().generation_number)
+        rec.timings_s.update(timings)
+        try:
+            self.client.put(self.keys.event(f"{time.time_ns():020d}-{self.member_id}"),
+                            encode(rec), self.run.lease_id)
+        except EtcdError as exc:
+            log.debug("event not recorded: %s", exc)
+
+
+def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "operator") -> None:
+    """Ask ``member_id`` to leave gracefully (what ``peer-elastic drain`` does)."""
+    run_kv = client.get(RunKeys(job, "x").run_key)
+    if run_kv is None:
+        raise ConfigError(f"job {job!r} has no running run")
+    run = decode(RunRecord, run_kv.value, run_kv.key)
+    keys = RunKeys(job, run.run_id)
+    rec = DrainRecord(member_id=member_id, requested_by=requested_by, unix=time.time())
+    client.put(keys.drain(member_id), encode(rec), run.lease_id)

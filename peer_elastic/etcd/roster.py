@@ -1,0 +1,114 @@
+"""Deciding the next generation: a pure function of the watched picture.
+
+Only the leader acts on the result, but every peer can compute it, which keeps the rule in
+one place and makes it easy to test without etcd.
+
+Rules:
+
+* Eligible members are live, not drained, not on a blacklisted host, and not *silent*
+  (in the current roster, yet without an ack past ``join_timeout``).
+* The next roster keeps the surviving members of the current roster in their rank order,
+  then adds newcomers oldest first, up to ``max_np``. Rank 0 is therefore the oldest
+  surviving holder of the training state; a newcomer never becomes rank 0 while one survives.
+* No roster is formed with fewer than ``min_np`` members.
+* Joins and graceful leaves wait ``settle_s`` of quiet so a burst becomes one generation;
+  the first generation waits ``start_settle_s`` unless ``max_np`` members are already there.
+  A broken generation or a silent member is acted on at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.records import JobConfig
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """What the leader should write, or (``roster`` empty) why and until when it waits."""
+
+    number: int
+    roster: tuple[str, ...]
+    reason: str
+    needs_sync: bool
+    joined: tuple[str, ...]
+    removed: tuple[str, ...]
+    dropped: tuple[str, ...]  # silent members removed (their leases are revoked)
+    broken: bool
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No generation to write now; look again at ``until`` (monotonic) or on any change."""
+
+    why: str
+    until: float | None = None
+
+
+def plan_next_generation(
+    snap: ViewSnapshot, cfg: JobConfig, silent: Collection[str], now: float
+) -> GenerationPlan | Wait:
+    gen = snap.generation
+    prev = tuple(gen.roster) if gen is not None else ()
+    silent_now = {m for m in silent if m in prev and m in snap.members}
+    eligible = [m.id for m in snap.eligible() if m.id not in silent_now]
+    eligible_set = set(eligible)
+    survivors = [m for m in prev if m in eligible_set]
+    newcomers = [m for m in eligible if m not in set(survivors)]
+    roster = tuple((survivors + newcomers)[: cfg.max_np or None])
+    broken = gen is not None and any(m in prev for m in snap.broken.get(gen.number, {}))
+
+    if cfg.paused:
+        return Wait("paused")
+    if len(roster) < cfg.min_np:
+        return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
+    quiet = now - snap.membership_changed_at
+    if gen is None:
+        full = cfg.max_np and len(roster) >= cfg.max_np
+        if not full and quiet < cfg.start_settle_s:
+            return Wait("first generation: waiting for more peers",
+                        snap.membership_changed_at + cfg.start_settle_s)
+    elif roster == prev and not broken:
+        return Wait("roster unchanged")
+    elif not broken and not silent_now and quiet < cfg.settle_s:
+        return Wait("settling", snap.membership_changed_at + cfg.settle_s)
+
+    joined = tuple(m for m in roster if m not in prev)
+    removed = tuple(m for m in prev if m not in roster)
+    dropped = tuple(m for m in prev if m in silent_now)
+    parts = []
+    if gen is None:
+        parts.append("first generation")
+    if broken:
+        parts.append("broken by " + ",".join(sorted(snap.broken[gen.number])))  # type: ignore[union-attr]
+    if dropped:
+        parts.append("dropped (no ack within join_timeout): " + ",".join(dropped))
+    left = [m for m in removed if m not in dropped]
+    if left:
+        parts.append("left: " + ",".join(left))
+    if joined and gen is not None:
+        parts.append("joined: " + ",".join(joined))
+    return GenerationPlan(
+        number=(gen.number if gen is not None else 0) + 1,
+        roster=roster,
+        reason="; ".join(parts),
+        # Sync when someone new must receive the state, or when a failed collective made
+        # the survivors roll back (each to its own last commit).
+        needs_sync=gen is None or bool(joined) or broken,
+        joined=joined,
+        removed=removed,
+        dropped=dropped,
+        broken=broken,
+    )
+
+
+def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
+                   now: float) -> set[str]:
+    """Roster members of the current generation with no ack ``join_timeout`` after it appeared."""
+    gen = snap.generation
+    if gen is None or seen_at is None or now - seen_at < join_timeout_s:
+        return set()
+    acked = snap.ready_for(gen.number)
+    return {m for m in gen.roster if m not in acked and m in snap.members}

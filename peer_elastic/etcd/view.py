@@ -1,0 +1,385 @@
+"""A decoded, validated picture of one job, kept current by a watch.
+
+:class:`JobView` watches ``/peer-elastic/<job>/`` and turns keys into records. Consumers read
+immutable :class:`ViewSnapshot` objects (one per applied revision) and wait on
+:meth:`JobView.wait_change`. One view may serve many members in one process (the
+membership benchmark simulates hundreds of members in a few processes this way).
+
+Malformed or foreign values are reported once per key and otherwise ignored: a bad record
+never crashes the watcher and never becomes part of the picture.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from peer_elastic.errors import RecordError
+from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
+from peer_elastic.etcd.keys import job_prefix
+from peer_elastic.etcd.watch import PrefixWatch
+from peer_elastic.records import (
+    AckRecord,
+    DoneRecord,
+    DrainRecord,
+    GenerationRecord,
+    HostRecord,
+    MemberRecord,
+    ProgressRecord,
+    RunRecord,
+    decode,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A live member: its record plus the etcd facts that matter (age, lease)."""
+
+    record: MemberRecord
+    create_revision: int
+    lease: int
+
+    @property
+    def id(self) -> str:
+        return self.record.member_id
+
+    @property
+    def host(self) -> str:
+        return self.record.host
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A member key that went away: ``graceful`` when the member was drained first."""
+
+    seq: int
+    member_id: str
+    host: str
+    graceful: bool
+
+
+@dataclass
+class _RunState:
+    members: dict[str, Member] = field(default_factory=dict)
+    generation: GenerationRecord | None = None
+    generation_mod_revision: int = 0
+    ready: dict[int, set[str]] = field(default_factory=dict)
+    broken: dict[int, dict[str, str]] = field(default_factory=dict)
+    drains: set[str] = field(default_factory=set)
+    blacklist: dict[str, HostRecord] = field(default_factory=dict)
+    failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
+    progress: ProgressRecord | None = None
+    done: DoneRecord | None = None
+
+
+@dataclass(frozen=True)
+class ViewSnapshot:
+    """The job as of one revision. Treat every field as read-only."""
+
+    revision: int
+    version: int
+    run: RunRecord | None
+    run_mod_revision: int
+    members: Mapping[str, Member]
+    by_age: tuple[Member, ...]
+    generation: GenerationRecord | None
+    generation_mod_revision: int
+    ready: Mapping[int, frozenset[str]]
+    broken: Mapping[int, Mapping[str, str]]
+    drains: frozenset[str]
+    blacklist: Mapping[str, HostRecord]
+    failures: Mapping[str, tuple[HostRecord, int]]
+    progress: ProgressRecord | None
+    done: DoneRecord | None
+    membership_changed_at: float  # time.monotonic() of the last join or leave
+    departures: tuple[Departure, ...]  # recent leaves, oldest first
+
+    @property
+    def generation_number(self) -> int:
+        return self.generation.number if self.generation is not None else 0
+
+    def ready_for(self, n: int) -> frozenset[str]:
+        return self.ready.get(n, frozenset())
+
+    def eligible(self) -> list[Member]:
+        """Members, oldest first, that may be in a roster: not drained, host not blacklisted."""
+        return [m for m in self.by_age if m.id not in self.drains and m.host not in self.blacklist]
+
+
+class JobView:
+    """Watches one job and keeps a :class:`ViewSnapshot` of its current run."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self.client = client
+        self.job = job
+        self.prefix = job_prefix(job)
+        self._lock = threading.Condition()
+        self._run: RunRecord | None = None
+        self._run_mod_revision = 0
+        self._runs: dict[str, _RunState] = {}
+        self._revision = 0
+        self._version = 0
+        self._membership_changed_at = time.monotonic()
+        self._snapshot: ViewSnapshot | None = None
+        self._reported: set[str] = set()
+        self._departures: list[Departure] = []
+        self._departure_seq = 0
+        self.malformed: dict[str, str] = {}
+        self._watch = PrefixWatch(client, self.prefix, self._apply_snapshot, self._apply_events)
+        self._started = False
+        self._users = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> JobView:
+        with self._lock:
+            self._users += 1
+            if self._started:
+                return self
+            self._started = True
+        self._watch.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+        self._watch.stop()
+
+    @property
+    def watch(self) -> PrefixWatch:
+        return self._watch
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def snapshot(self) -> ViewSnapshot:
+        with self._lock:
+            if self._snapshot is None:
+                self._snapshot = self._build_snapshot()
+            return self._snapshot
+
+    def wait_change(self, version: int, timeout: float) -> int:
+        """Block until the view's version differs from ``version`` (or timeout)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._version != version, timeout=timeout)
+            return self._version
+
+    def wait_for(self, predicate, timeout: float) -> ViewSnapshot | None:  # noqa: ANN001
+        """Wait until ``predicate(snapshot)`` holds; return that snapshot or None on timeout."""
+        deadline = time.monotonic() + timeout
+        version = -1
+        while True:
+            snap = self.snapshot()
+            if snap.version != version and predicate(snap):
+                return snap
+            version = snap.version
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.wait_change(version, left)
+
+    # -- applying watch data -------------------------------------------------------------------
+
+    def _apply_snapshot(self, kvs: list[KeyValue], revision: int) -> None:
+        with self._lock:
+            old_members = set(self._current().members) if self._run else set()
+            self._run = None
+            self._run_mod_revision = 0
+            self._runs = {}
+            for kv in kvs:
+                self._apply_put(kv)
+            new_members = set(self._current().members) if self._run else set()
+            if old_members != new_members:
+                self._membership_changed_at = time.monotonic()
+            self._commit(revision)
+
+    def _apply_events(self, events: list[WatchEvent], revision: int) -> None:
+        with self._lock:
+            for ev in events:
+                if ev.kind == "put":
+                    self._apply_put(ev.kv)
+                else:
+                    self._apply_delete(ev.kv.key)
+            self._commit(revision)
+
+    def _commit(self, revision: int) -> None:
+        self._revision = revision
+        self._version += 1
+        self._snapshot = None
+        self._lock.notify_all()
+
+    def _current(self) -> _RunState:
+        assert self._run is not None
+        return self._runs.setdefault(self._run.run_id, _RunState())
+
+    def _split(self, key: str) -> tuple[str, list[str]] | None:
+        rest = key[len(self.prefix):]
+        if rest == "run":
+            return "", ["run"]
+        run_id, _, tail = rest.partition("/")
+        if not tail:
+            return None
+        return run_id, tail.split("/")
+
+    def _bad(self, key: str, why: str) -> None:
+        self.malformed[key] = why
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning("ignoring malformed record: %s", why)
+
+    def _apply_put(self, kv: KeyValue) -> None:
+        parts = self._split(kv.key)
+        if parts is None:
+            self._bad(kv.key, f"{kv.key}: unexpected key under the job prefix")
+            return
+        run_id, path = parts
+        try:
+            if path == ["run"]:
+                run = decode(RunRecord, kv.value, kv.key)
+                if self._run is None or self._run.run_id != run.run_id:
+                    self._runs = {run.run_id: self._runs.get(run.run_id, _RunState())}
+                    self._membership_changed_at = time.monotonic()
+                self._run = run
+                self._run_mod_revision = kv.mod_revision
+                return
+            st = self._runs.setdefault(run_id, _RunState())
+            if path == ["generation"]:
+                # Track the key's revision even if the value turns out to be junk, so the
+                # leader's compare-and-swap can replace a corrupted record.
+                st.generation_mod_revision = kv.mod_revision
+            self._apply_run_put(st, path, kv)
+        except RecordError as exc:
+            self._bad(kv.key, str(exc))
+            return
+        self.malformed.pop(kv.key, None)
+
+    def _apply_run_put(self, st: _RunState, path: list[str], kv: KeyValue) -> None:
+        head = path[0]
+        if head == "members" and len(path) == 2:
+            rec = decode(MemberRecord, kv.value, kv.key)
+            if rec.member_id != path[1]:
+                raise RecordError(f"{kv.key}: member id {rec.member_id!r} does not match its key")
+            if path[1] not in st.members:
+                self._membership_changed_at = time.monotonic()
+            st.members[path[1]] = Member(rec, kv.create_revision, kv.lease)
+        elif head == "generation" and len(path) == 1:
+            rec = decode(GenerationRecord, kv.value, kv.key)
+            if st.generation is not None and rec.number <= st.generation.number:
+                raise RecordError(
+                    f"{kv.key}: generation went from {st.generation.number} to {rec.number}"
+                )
+            st.generation = rec
+            # Acks of generations two or more behind are history.
+            for table in (st.ready, st.broken):
+                for n in [n for n in table if n < rec.number - 1]:
+                    del table[n]
+        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "broken"):
+            n = _int(path[1], kv.key)
+            rec = decode(AckRecord, kv.value, kv.key)
+            if path[2] == "ready":
+                st.ready.setdefault(n, set()).add(path[3])
+            else:
+                st.broken.setdefault(n, {})[path[3]] = rec.detail
+        elif head == "gen" and len(path) >= 3 and path[2] == "store":
+            return  # torch Store traffic: not part of the picture
+        elif head == "drain" and len(path) == 2:
+            decode(DrainRecord, kv.value, kv.key)
+            st.drains.add(path[1])
+        elif head == "blacklist" and len(path) == 2:
+            st.blacklist[path[1]] = decode(HostRecord, kv.value, kv.key)
+        elif head == "failures" and len(path) == 2:
+            st.failures[path[1]] = (decode(HostRecord, kv.value, kv.key), kv.mod_revision)
+        elif head == "progress" and len(path) == 1:
+            st.progress = decode(ProgressRecord, kv.value, kv.key)
+        elif head == "done" and len(path) == 1:
+            st.done = decode(DoneRecord, kv.value, kv.key)
+        elif head == "events":
+            return
+        else:
+            raise RecordError(f"{kv.key}: unexpected key under the run prefix")
+
+    def _apply_delete(self, key: str) -> None:
+        self.malformed.pop(key, None)
+        parts = self._split(key)
+        if parts is None:
+            return
+        run_id, path = parts
+        if path == ["run"]:
+            self._run = None
+            self._run_mod_revision = 0
+            return
+        st = self._runs.get(run_id)
+        if st is None:
+            return
+        head = path[0]
+        if head == "members" and len(path) == 2:
+            m = st.members.pop(path[1], None)
+            if m is not None:
+                self._membership_changed_at = time.monotonic()
+                if self._run is not None and run_id == self._run.run_id:
+                    self._departure_seq += 1
+                    self._departures.append(
+                        Departure(self._departure_seq, m.id, m.host, m.id in st.drains))
+                    del self._departures[:-256]
+        elif head == "generation":
+            st.generation = None  # only when the run lease ends
+            st.generation_mod_revision = 0
+        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "broken"):
+            n = _int_or_none(path[1])
+            if n is not None:
+                if path[2] == "ready":
+                    st.ready.get(n, set()).discard(path[3])
+                else:
+                    st.broken.get(n, {}).pop(path[3], None)
+        elif head == "drain" and len(path) == 2:
+            st.drains.discard(path[1])
+        elif head == "blacklist" and len(path) == 2:
+            st.blacklist.pop(path[1], None)
+        elif head == "failures" and len(path) == 2:
+            st.failures.pop(path[1], None)
+        elif head == "progress":
+            st.progress = None
+        elif head == "done":
+            st.done = None
+
+    def _build_snapshot(self) -> ViewSnapshot:
+        st = self._runs.get(self._run.run_id) if self._run is not None else None
+        st = st or _RunState()
+        by_age = tuple(sorted(st.members.values(), key=lambda m: m.create_revision))
+        return ViewSnapshot(
+            revision=self._revision,
+            version=self._version,
+            run=self._run,
+            run_mod_revision=self._run_mod_revision,
+            members=MappingProxyType(dict(st.members)),
+            by_age=by_age,
+            generation=st.generation,
+            generation_mod_revision=st.generation_mod_revision,
+            ready=MappingProxyType({n: frozenset(s) for n, s in st.ready.items()}),
+            broken=MappingProxyType({n: MappingProxyType(dict(d)) for n, d in st.broken.items()}),
+            drains=frozenset(st.drains),
+            blacklist=MappingProxyType(dict(st.blacklist)),
+            failures=MappingProxyType(dict(st.failures)),
+            progress=st.progress,
+            done=st.done,
+            membership_changed_at=self._membership_changed_at,
+            departures=tuple(self._departures),
+        )
+
+
+def _int(s: str, key: str) -> int:
+    n = _int_or_none(s)
+    if n is None:
+        raise RecordError(f"{key}: {s!r} is not a generation number")
+    return n
+
+
+def _int_or_none(s: str) -> int | None:
+    return int(s) if s.isdigit() else None

@@ -1,0 +1,205 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobConfig(_message.Message):
+    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused")
+    MIN_NP_FIELD_NUMBER: _ClassVar[int]
+    MAX_NP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RESET_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BLACKLIST_AFTER_FIELD_NUMBER: _ClassVar[int]
+    BLACKLIST_COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_S_FIELD_NUMBER: _ClassVar[int]
+    START_SETTLE_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    min_np: int
+    max_np: int
+    lease_ttl_s: float
+    join_timeout_s: float
+    elastic_timeout_s: float
+    reset_limit: int
+    blacklist_after: int
+    blacklist_cooldown_s: float
+    settle_s: float
+    start_settle_s: float
+    run_ttl_s: float
+    paused: bool
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ...) -> None: ...
+
+class RunRecord(_message.Message):
+    __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    run_id: str
+    config: JobConfig
+    lease_id: int
+    created_unix: float
+    created_by: str
+    def __init__(self, schema: _Optional[int] = ..., run_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., lease_id: _Optional[int] = ..., created_unix: _Optional[float] = ..., created_by: _Optional[str] = ...) -> None: ...
+
+class MemberRecord(_message.Message):
+    __slots__ = ("schema", "member_id", "host", "address", "pid", "local_rank", "labels", "lease_id", "version", "started_unix")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    member_id: str
+    host: str
+    address: str
+    pid: int
+    local_rank: int
+    labels: _containers.ScalarMap[str, str]
+    lease_id: int
+    version: str
+    started_unix: float
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
+
+class GenerationRecord(_message.Message):
+    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_SYNC_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    number: int
+    roster: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    needs_sync: bool
+    written_by: str
+    written_unix: float
+    joined: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AckRecord(_message.Message):
+    __slots__ = ("schema", "member_id", "generation", "unix", "detail")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    member_id: str
+    generation: int
+    unix: float
+    detail: str
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., unix: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class DrainRecord(_message.Message):
+    __slots__ = ("schema", "member_id", "requested_by", "unix")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    member_id: str
+    requested_by: str
+    unix: float
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., requested_by: _Optional[str] = ..., unix: _Optional[float] = ...) -> None: ...
+
+class HostRecord(_message.Message):
+    __slots__ = ("schema", "host", "failures", "unix", "reason")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    host: str
+    failures: int
+    unix: float
+    reason: str
+    def __init__(self, schema: _Optional[int] = ..., host: _Optional[str] = ..., failures: _Optional[int] = ..., unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ProgressRecord(_message.Message):
+    __slots__ = ("schema", "generation", "epoch", "batch", "step", "world_size", "unix", "commits")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    generation: int
+    epoch: int
+    batch: int
+    step: int
+    world_size: int
+    unix: float
+    commits: int
+    def __init__(self, schema: _Optional[int] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., batch: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unix: _Optional[float] = ..., commits: _Optional[int] = ...) -> None: ...
+
+class DoneRecord(_message.Message):
+    __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    success: bool
+    reason: str
+    written_by: str
+    unix: float
+    generation: int
+    def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class EventRecord(_message.Message):
+    __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s")
+    class TimingsSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_S_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    kind: str
+    member_id: str
+    generation: int
+    detail: str
+    unix: float
+    timings_s: _containers.ScalarMap[str, float]
+    def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -1,0 +1,111 @@
+"""Encoding and validation of every record peer-elastic keeps in etcd.
+
+Anything under the job prefix may have been written by someone else (an older or newer
+peer, an operator with etcdctl, a bug). Decoding is therefore validation: a value that is
+not a well-formed record of the expected type raises :class:`RecordError`, which readers
+report once per key and otherwise ignore. Nothing read from etcd is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from peer_elastic.errors import RecordError
+from peer_elastic.proto.records_pb2 import (
+    AckRecord,
+    DoneRecord,
+    DrainRecord,
+    EventRecord,
+    GenerationRecord,
+    HostRecord,
+    JobConfig,
+    MemberRecord,
+    ProgressRecord,
+    RunRecord,
+)
+
+__all__ = [
+    "SCHEMA", "AckRecord", "DoneRecord", "DrainRecord", "EventRecord", "GenerationRecord",
+    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord",
+    "encode", "decode", "valid_name",
+]
+
+#: Schema version written into every record. Readers accept versions up to this one;
+#: a newer record means a newer peer-elastic wrote it, and the error says so.
+SCHEMA = 1
+
+M = TypeVar("M", bound=Message)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+MAX_RECORD_BYTES = 1 << 20  # etcd's default request limit is 1.5 MiB
+
+
+def valid_name(name: str) -> bool:
+    """Job names, member ids, run ids and host names used in keys: no '/', bounded length."""
+    return bool(_NAME.match(name))
+
+
+def encode(record: Message) -> bytes:
+    """Serialise ``record``, stamping the schema version."""
+    if hasattr(record, "schema") and not record.schema:
+        record.schema = SCHEMA
+    data = record.SerializeToString()
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(
+            f"{type(record).__name__} is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte "
+            "limit for one etcd value"
+        )
+    return data
+
+
+def decode(cls: type[M], data: bytes, key: str = "?") -> M:
+    """Parse and validate ``data`` as ``cls``; raise :class:`RecordError` naming ``key``."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"{key}: value of {len(data)} bytes is too large for a record")
+    record = cls()
+    try:
+        record.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise RecordError(f"{key}: not a {cls.__name__}: {exc}") from None
+    schema = getattr(record, "schema", SCHEMA)
+    if schema == 0:
+        raise RecordError(f"{key}: not a {cls.__name__} (no schema version)")
+    if schema > SCHEMA:
+        raise RecordError(
+            f"{key}: {cls.__name__} schema {schema} is newer than this peer-elastic "
+            f"understands ({SCHEMA}); upgrade this peer"
+        )
+    _validate(record, key)
+    return record
+
+
+def _validate(record: Message, key: str) -> None:
+    def bad(why: str) -> RecordError:
+        return RecordError(f"{key}: invalid {type(record).__name__}: {why}")
+
+    if isinstance(record, MemberRecord):
+        if not valid_name(record.member_id):
+            raise bad(f"member id {record.member_id!r}")
+        if record.lease_id == 0:
+            raise bad("no lease id")
+    elif isinstance(record, GenerationRecord):
+        if record.number == 0:
+            raise bad("generation number 0")
+        if len(set(record.roster)) != len(record.roster):
+            raise bad("duplicate member in roster")
+        if not all(valid_name(m) for m in record.roster):
+            raise bad("malformed member id in roster")
+    elif isinstance(record, RunRecord):
+        if not valid_name(record.run_id):
+            raise bad(f"run id {record.run_id!r}")
+        if record.lease_id == 0:
+            raise bad("no run lease")
+        c = record.config
+        if c.min_np < 1 or (c.max_np and c.max_np < c.min_np):
+            raise bad(f"min_np={c.min_np} max_np={c.max_np}")
+    elif isinstance(record, (AckRecord, DrainRecord)):
+        if not valid_name(record.member_id):
+            raise bad(f"member id {record.member_id!r}")
