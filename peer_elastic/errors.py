@@ -57,6 +57,10 @@ class LeaseLost(PeerElasticError):
     """This peer's lease expired or was revoked; it is no longer a member."""
 
 
+class LeaveRequested(PeerElasticError):
+    """This peer was asked to leave (SIGTERM, drain) and the job has formed without it."""
+
+
 class ElasticTimeout(PeerElasticError):
     """Fewer than ``min_np`` peers were available for longer than the elastic timeout."""
 

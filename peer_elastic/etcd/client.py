@@ -451,17 +451,27 @@ class EtcdClient:
         return self._call(lambda: self._raw.lease(ttl).id, f"grant lease ttl={ttl}")
 
     def keepalive(self, lease_id: int, budget_s: float | None = None) -> int:
-        """One keep-alive round trip; returns the new TTL. Raises LeaseNotFound when gone."""
+        """One keep-alive round trip; returns the new TTL. Raises LeaseNotFound when gone.
+
+        "Gone" is only reported when etcd says so twice: a keep-alive answer with TTL 0 is
+        confirmed with a TimeToLive request, because a stream cut short while etcd restarts
+        looks the same as a missing lease to a careless caller, and revoking a good lease
+        would throw a healthy peer out of the job.
+        """
 
         def do() -> int:
-            ttl = 0
-            for resp in self._raw.refresh_lease(lease_id):
-                ttl = resp.TTL
-            return ttl
+            responses = list(self._raw.refresh_lease(lease_id))
+            if not responses:
+                raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
+            return responses[-1].TTL
 
-        ttl = self._call(do, f"keep lease {lease_id:x} alive", budget_s)
+        what = f"keep lease {lease_id:x} alive"
+        ttl = self._call(do, what, budget_s)
         if ttl <= 0:
-            raise LeaseNotFound(f"lease {lease_id:x} expired or was revoked")
+            remaining = self._call(lambda: self._raw.get_lease_info(lease_id).TTL, what, budget_s)
+            if remaining <= 0:
+                raise LeaseNotFound(f"lease {lease_id:x} expired or was revoked")
+            ttl = remaining
         return ttl
 
     def revoke(self, lease_id: int, budget_s: float | None = None) -> bool:

@@ -38,6 +38,7 @@ from peer_elastic.errors import (
     EtcdError,
     JobFinished,
     LeaseLost,
+    LeaveRequested,
     PeerElasticError,
     RecordError,
     ResetLimitExceeded,
@@ -332,6 +333,8 @@ class Coordinator:
         snap = snap or self.snapshot()
         if snap.done is not None:
             self._raise_done(snap.done)
+        if self.drain_requested.is_set() and self.assignment(snap) is None:
+            raise LeaveRequested(f"member {self.member_id} left job {self.job!r} as requested")
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -388,7 +391,9 @@ class Coordinator:
 
     def request_leave(self, requested_by: str = "") -> None:
         """Ask to be drained: the next generation forms without this peer, with no rollback."""
+        self.drain_requested.set()
         drain(self.client, self.job, self.member_id, requested_by or self.member_id)
+        self.view.wait_for(lambda s: self.member_id in s.drains, timeout=self.config.lease_ttl_s)
 
     def record_progress(self, **fields: int) -> None:
         """Write the last committed position (rank 0 calls this; ``status`` shows it)."""

@@ -1,0 +1,149 @@
+"""The public entry points: :func:`join` and :func:`run`.
+
+Every argument of :func:`join` can come from the environment instead, so identical peers
+started by systemd or a scheduler need none:
+
+=========================  ============================================================
+``PEER_ELASTIC_JOB``        job name
+``PEER_ELASTIC_ETCD``       etcd endpoints, comma-separated (``host:port`` or URLs)
+``PEER_ELASTIC_ETCD_CA``    CA bundle for https endpoints; ``..._CERT`` / ``..._KEY``
+                            for client-certificate auth
+``PEER_ELASTIC_ETCD_USER``  etcd user (``PEER_ELASTIC_ETCD_PASSWORD`` its password)
+``PEER_ELASTIC_MIN_NP`` ..  every job setting; see :data:`peer_elastic.config.JOB_FIELDS`
+``PEER_ELASTIC_BACKEND``    ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``
+``PEER_ELASTIC_COLLECTIVE_TIMEOUT``  seconds before a stuck collective fails (default 30)
+``PEER_ELASTIC_HOST``       host name this peer reports (default: the machine's)
+=========================  ============================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from peer_elastic.config import JobSettings
+from peer_elastic.elastic import Peer
+from peer_elastic.errors import ConfigError, PeerElasticError
+from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, TLSConfig
+from peer_elastic.etcd.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+_active: Peer | None = None
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def connect(etcd: str | None = None) -> EtcdClient:
+    """An etcd client from ``etcd`` or ``PEER_ELASTIC_ETCD`` (plus TLS/auth variables)."""
+    endpoints = etcd or _env(ENV_ENDPOINTS)
+    if not endpoints:
+        raise ConfigError(f"no etcd endpoints: pass etcd='host:port' or set {ENV_ENDPOINTS}")
+    ca = _env("PEER_ELASTIC_ETCD_CA")
+    tls = TLSConfig(ca, _env("PEER_ELASTIC_ETCD_CERT"), _env("PEER_ELASTIC_ETCD_KEY")) if ca else None
+    return EtcdClient(endpoints, tls=tls, user=_env("PEER_ELASTIC_ETCD_USER"),
+                      password=_env("PEER_ELASTIC_ETCD_PASSWORD"))
+
+
+@contextlib.contextmanager
+def join(
+    job: str | None = None,
+    etcd: str | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    *,
+    backend: str | None = None,
+    collective_timeout_s: float | None = None,
+    host: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    handle_sigterm: bool = True,
+    **settings: Any,
+) -> Iterator[Peer]:
+    """Join (or start) an elastic job; leaving the block leaves the job gracefully.
+
+    ``settings`` are the other job settings (``lease_ttl_s``, ``join_timeout_s``,
+    ``elastic_timeout_s``, ``reset_limit``, ...). With ``handle_sigterm`` (and when called
+    from the main thread) SIGTERM drains this peer: the others reset at their next check
+    without rolling back, and this one exits 0 once they re-formed.
+    """
+    global _active
+    job = job or _env("PEER_ELASTIC_JOB")
+    if not job:
+        raise ConfigError("no job name: pass job='name' or set PEER_ELASTIC_JOB")
+    job_settings = JobSettings.from_env(min_np=min_np, max_np=max_np, **settings)
+    client = connect(etcd)
+    coord = Coordinator(client, job, job_settings, host=host, labels=labels)
+    peer: Peer | None = None
+    previous_handler: Any = None
+    try:
+        coord.start()
+        peer = Peer(
+            coord,
+            backend=backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto",
+            collective_timeout_s=collective_timeout_s
+            or float(_env("PEER_ELASTIC_COLLECTIVE_TIMEOUT", "30") or 30),
+        )
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGTERM, _leave_on_signal(coord))
+        _active = peer
+        yield peer
+    finally:
+        _active = None
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        if peer is not None:
+            peer.close()
+        coord.close(leave=True)
+        client.close()
+
+
+def _leave_on_signal(coord: Coordinator) -> Callable[[int, Any], None]:
+    def handler(signum: int, frame: Any) -> None:
+        log.info("signal %d: leaving job %s gracefully", signum, coord.job)
+        coord.drain_requested.set()
+        # etcd I/O does not belong in a signal handler: do it from a thread.
+        threading.Thread(target=_request_leave, args=(coord,), daemon=True).start()
+
+    return handler
+
+
+def _request_leave(coord: Coordinator) -> None:
+    try:
+        coord.request_leave("SIGTERM")
+    except PeerElasticError as exc:
+        log.error("could not request a graceful leave: %s", exc)
+
+
+def run(func: Callable[..., R]) -> Callable[..., R]:
+    """Decorator form of :meth:`Peer.run`, as ``hvd.elastic.run``.
+
+    Inside a ``join`` block it uses that peer; outside, it joins from the environment for
+    the duration of the call.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> R:
+        if _active is not None:
+            return _active.run(func, state, *args, **kwargs)
+        with join() as peer:
+            return peer.run(func, state, *args, **kwargs)
+
+    return wrapper
+
+
+def current_peer() -> Peer:
+    """The peer of the enclosing :func:`join` block."""
+    if _active is None:
+        raise PeerElasticError("not inside peer_elastic.join()")
+    return _active

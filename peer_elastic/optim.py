@@ -1,0 +1,91 @@
+"""Gradient averaging that survives resets.
+
+``DistributedOptimizer(opt)`` makes ``opt.step()`` first average every gradient over the
+*current* default process group (whatever generation is formed now) in large flat buckets,
+then take the wrapped optimizer's step. Because it looks up the group at each step, nothing
+needs rebuilding after a reset, unlike DDP (see the README for rebuilding DDP in a reset
+callback).
+
+The optimizer object keeps its identity and class hierarchy (its class is swapped for a
+subclass), so ``isinstance(opt, torch.optim.Adam)`` and :class:`~peer_elastic.TorchState`
+keep working, and its ``state_dict()`` is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+
+
+class _Averaging:
+    """Mixin placed in front of the user's optimizer class."""
+
+    _pe_bucket_bytes: int
+
+    def synchronize(self) -> None:
+        """All-reduce and average gradients now (``step()`` does this itself)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        world = dist.get_world_size()
+        if world == 1:
+            return
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # type: ignore[attr-defined]
+        for p in params:
+            if p.grad is None:
+                # Every rank must reduce the same tensors; a rank that produced no gradient
+                # for a parameter contributes zeros.
+                p.grad = torch.zeros_like(p)
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            groups[(p.grad.dtype, p.grad.device)].append(p.grad)
+        for grads in groups.values():
+            for bucket in _buckets(grads, self._pe_bucket_bytes):
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                flat.div_(world)
+                for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    g.copy_(avg)
+
+    def step(self, closure: Any = None) -> Any:
+        self.synchronize()
+        return super().step(closure)  # type: ignore[misc]
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    cur: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def DistributedOptimizer(  # noqa: N802 - named like Horovod's, which users port from
+    optimizer: torch.optim.Optimizer, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> torch.optim.Optimizer:
+    """Make ``optimizer`` average gradients over the current group before each step."""
+    base = type(optimizer)
+    if isinstance(optimizer, _Averaging):
+        return optimizer
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Averaging{base.__name__}", (_Averaging, base), {})
+    optimizer.__class__ = cls
+    optimizer._pe_bucket_bytes = bucket_bytes  # type: ignore[attr-defined]
+    return optimizer

@@ -1,0 +1,156 @@
+"""torch's default process group, re-formed for each generation.
+
+:class:`GroupManager` is the only code that creates or destroys torch's default process
+group. For a generation it waits until every roster member acknowledged it (so nobody
+waits for a peer the leader is about to drop), then runs ``init_process_group`` over an
+:class:`~peer_elastic.torch.store.EtcdStore` under that generation's key prefix. The store
+gives up as soon as the generation is superseded, so a rendezvous never waits for a peer
+that is gone; the manager then moves on to the newer generation.
+
+Plain ``torch.distributed`` calls and DDP in user code use the group unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from peer_elastic.errors import PeerElasticError
+from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.torch.store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` is nccl when CUDA is usable, else gloo."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for errors that mean "the group broke" rather than "the user's code is wrong"."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return any(s in text for s in (
+            "gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer",
+            "Broken pipe", "Timed out waiting", "Socket Timeout", "ProcessGroup",
+            "process group", "Application timeout caused pair closure",
+        ))
+    return False
+
+
+@dataclass(frozen=True)
+class FormedGroup:
+    """The process group of one generation, as this peer sees it."""
+
+    assignment: Assignment
+    backend: str
+    formed_at: float  # time.monotonic()
+    wait_s: float  # waiting for acks
+    init_s: float  # init_process_group
+
+
+class GroupManager:
+    """Forms torch's default process group for each generation; see the module docstring."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        backend: str = "auto",
+        collective_timeout_s: float = 30.0,
+        rendezvous_timeout_s: float = 120.0,
+    ) -> None:
+        self.coordinator = coordinator
+        self.backend = resolve_backend(backend)
+        self.collective_timeout_s = collective_timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.current: FormedGroup | None = None
+        self.attempts = 0
+
+    def destroy(self) -> None:
+        """Tear down the current group (if any). Safe after a failed collective."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group may complain while closing
+                log.debug("destroying process group: %s", exc)
+        self.current = None
+
+    def form(self, after: int) -> FormedGroup:
+        """Join the newest generation after ``after`` that lists this peer.
+
+        Standbys block here until promoted. Raises what the coordinator raises (job
+        finished, elastic timeout, ...).
+        """
+        self.destroy()
+        coord = self.coordinator
+        while True:
+            self.attempts += 1
+            t0 = time.monotonic()
+            a = coord.wait_generation(after=after)
+            if not coord.wait_ready(a.generation):
+                log.info("generation %d superseded before everyone acknowledged it", a.generation)
+                continue
+            t1 = time.monotonic()
+            store = self._store(a.generation)
+            try:
+                dist.init_process_group(
+                    self.backend, store=store, rank=a.rank, world_size=a.size,
+                    timeout=timedelta(seconds=self.collective_timeout_s),
+                )
+            except Exception as exc:
+                reason = self._abort_reason(a.generation)
+                log.info("forming generation %d failed (%s): %s", a.generation,
+                         reason or "error", exc)
+                self.destroy()
+                coord.check()
+                if reason is None and not is_collective_failure(exc):
+                    raise
+                if reason is None:
+                    # Our peers are gone but the leader has not noticed yet: tell it.
+                    self._mark_broken(a.generation, f"rendezvous failed: {exc}")
+                continue
+            t2 = time.monotonic()
+            self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1)
+            log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
+                     a.generation, a.rank, a.size, t1 - t0, t2 - t1)
+            return self.current
+
+    def _store(self, generation: int) -> EtcdStore:
+        coord = self.coordinator
+        assert coord.keys is not None and coord.run is not None
+        return EtcdStore(
+            coord.client,
+            coord.keys.store_prefix(generation),
+            lease_id=coord.run.lease_id,
+            timeout=timedelta(seconds=self.rendezvous_timeout_s),
+            abort=lambda: self._abort_reason(generation),
+        )
+
+    def _abort_reason(self, generation: int) -> str | None:
+        coord = self.coordinator
+        if coord.error is not None:
+            return str(coord.error)
+        snap = coord.snapshot()
+        if snap.done is not None:
+            return "the job finished"
+        if snap.generation_number != generation:
+            return f"generation {generation} was superseded by {snap.generation_number}"
+        if coord.member_id not in (snap.generation.roster if snap.generation else ()):
+            return "this peer is no longer in the roster"
+        return None
+
+    def _mark_broken(self, generation: int, detail: str) -> None:
+        try:
+            self.coordinator.mark_broken(generation, detail)
+        except PeerElasticError as exc:
+            log.warning("could not mark generation %d broken: %s", generation, exc)

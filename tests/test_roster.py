@@ -1,0 +1,99 @@
+"""The roster planner, as a pure function of a view snapshot (no etcd)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from peer_elastic.config import JobSettings
+from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
+from peer_elastic.etcd.view import Member, ViewSnapshot
+from peer_elastic.records import GenerationRecord, HostRecord, MemberRecord, RunRecord
+
+
+def snap(members, gen=None, ready=(), broken=(), drains=(), blacklist=(), changed_at=0.0):
+    ms = {m: Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=1), i + 1, 1)
+          for i, m in enumerate(members)}
+    g = None if gen is None else GenerationRecord(number=gen[0], roster=list(gen[1]))
+    n = gen[0] if gen else 0
+    return ViewSnapshot(
+        revision=1, version=1, run=RunRecord(run_id="r"), run_mod_revision=1,
+        members=MappingProxyType(ms), by_age=tuple(ms.values()), generation=g,
+        generation_mod_revision=1 if g else 0,
+        ready=MappingProxyType({n: frozenset(ready)}),
+        broken=MappingProxyType({n: MappingProxyType({b: "" for b in broken})}),
+        drains=frozenset(drains), blacklist=MappingProxyType({h: HostRecord() for h in blacklist}),
+        failures=MappingProxyType({}), progress=None, done=None,
+        membership_changed_at=changed_at, departures=(),
+    )
+
+
+def cfg(**kw):
+    return JobSettings(**{"settle_s": 0.05, "start_settle_s": 1.0, **kw}).resolved()
+
+
+def test_first_generation_waits_for_stragglers_unless_full() -> None:
+    s = snap(["a-1", "b-1"], changed_at=10.0)
+    assert isinstance(plan_next_generation(s, cfg(min_np=2), set(), 10.5), Wait)
+    p = plan_next_generation(s, cfg(min_np=2), set(), 11.5)
+    assert isinstance(p, GenerationPlan) and p.roster == ("a-1", "b-1") and p.number == 1
+    p = plan_next_generation(s, cfg(min_np=1, max_np=2), set(), 10.0)
+    assert isinstance(p, GenerationPlan)
+
+
+def test_below_min_np_waits() -> None:
+    w = plan_next_generation(snap(["a-1"]), cfg(min_np=2), set(), 100)
+    assert isinstance(w, Wait) and "min_np=2" in w.why
+
+
+def test_survivors_keep_their_order_and_newcomers_never_take_rank_0() -> None:
+    # c is older than b but only b was in the roster: b keeps rank 0 over newcomer c.
+    s = snap(["c-1", "b-1", "d-1"], gen=(4, ["b-1", "x-1"]))
+    p = plan_next_generation(s, cfg(), set(), 100)
+    assert p.roster == ("b-1", "c-1", "d-1")
+    assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",) and p.needs_sync
+
+
+def test_max_np_makes_standbys_and_promotes_them() -> None:
+    s = snap(["a-1", "b-1", "c-1"], gen=(1, ["a-1", "b-1"]))
+    assert isinstance(plan_next_generation(s, cfg(max_np=2), set(), 100), Wait)
+    s = snap(["a-1", "c-1"], gen=(1, ["a-1", "b-1"]))
+    p = plan_next_generation(s, cfg(max_np=2), set(), 100)
+    assert p.roster == ("a-1", "c-1") and p.joined == ("c-1",)
+
+
+def test_removals_only_need_no_sync_but_a_broken_generation_does() -> None:
+    s = snap(["a-1"], gen=(3, ["a-1", "b-1"]))
+    p = plan_next_generation(s, cfg(), set(), 100)
+    assert p.roster == ("a-1",) and not p.needs_sync
+    s = snap(["a-1", "b-1"], gen=(3, ["a-1", "b-1"]), broken=["a-1"])
+    p = plan_next_generation(s, cfg(), set(), 0.0)  # broken: no settle wait
+    assert p.roster == ("a-1", "b-1") and p.needs_sync and p.broken and p.number == 4
+
+
+def test_silent_members_are_dropped_at_once() -> None:
+    s = snap(["a-1", "b-1", "c-1"], gen=(2, ["a-1", "b-1", "c-1"]), ready=["a-1", "c-1"],
+             changed_at=99.99)
+    silent = silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0)
+    assert silent == {"b-1"}
+    assert silent_members(s, seen_at=99.5, join_timeout_s=1.0, now=100.0) == set()
+    p = plan_next_generation(s, cfg(), silent, 100.0)
+    assert p.roster == ("a-1", "c-1") and p.dropped == ("b-1",) and "dropped" in p.reason
+
+
+def test_drained_and_blacklisted_members_are_not_eligible() -> None:
+    s = snap(["a-1", "b-1", "bad-1"], gen=(1, ["a-1", "b-1", "bad-1"]), drains=["b-1"],
+             blacklist=["bad"])
+    p = plan_next_generation(s, cfg(), set(), 100)
+    assert p.roster == ("a-1",) and set(p.removed) == {"b-1", "bad-1"}
+
+
+def test_joins_settle_before_a_generation_is_written() -> None:
+    s = snap(["a-1", "b-1"], gen=(1, ["a-1"]), changed_at=100.0)
+    w = plan_next_generation(s, cfg(settle_s=0.5), set(), 100.1)
+    assert isinstance(w, Wait) and w.until == 100.5
+
+
+def test_paused_job_forms_nothing() -> None:
+    c = cfg()
+    c.paused = True
+    assert isinstance(plan_next_generation(snap(["a-1"]), c, set(), 100), Wait)
