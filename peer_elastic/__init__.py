@@ -1,6 +1,13 @@
-"""peer-elastic: elastic, fault-tolerant PyTorch training with no central driver."""
+"""peer-elastic: elastic, fault-tolerant PyTorch training with no central driver.
+
+``import peer_elastic`` does not import torch: the training API below is loaded on first
+use, so the coordination layer (and the CLI's status/drain) runs in processes without it.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -12,9 +19,24 @@ from peer_elastic.errors import (  # noqa: E402
     InternalError,
     JobFinished,
     LeaseLost,
+    LeaveRequested,
     PeerElasticError,
     ResetLimitExceeded,
 )
+
+_LAZY = {
+    "join": "peer_elastic.api",
+    "run": "peer_elastic.api",
+    "current_peer": "peer_elastic.api",
+    "Peer": "peer_elastic.elastic",
+    "State": "peer_elastic.state",
+    "ObjectState": "peer_elastic.state",
+    "TorchState": "peer_elastic.state",
+    "StateHandler": "peer_elastic.state",
+    "register_handler": "peer_elastic.state",
+    "ElasticSampler": "peer_elastic.sampler",
+    "DistributedOptimizer": "peer_elastic.optim",
+}
 
 __all__ = [
     "__version__",
@@ -25,6 +47,17 @@ __all__ = [
     "InternalError",
     "JobFinished",
     "LeaseLost",
+    "LeaveRequested",
     "PeerElasticError",
     "ResetLimitExceeded",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'peer_elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -23,13 +23,20 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
-from peer_elastic.errors import ConfigError, PeerElasticError
+from peer_elastic.errors import (
+    ConfigError,
+    ElasticTimeout,
+    JobFinished,
+    PeerElasticError,
+    ResetLimitExceeded,
+)
 from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, TLSConfig
 from peer_elastic.etcd.coordinator import Coordinator
 
@@ -98,6 +105,14 @@ def join(
             previous_handler = signal.signal(signal.SIGTERM, _leave_on_signal(coord))
         _active = peer
         yield peer
+    except JobFinished as exc:
+        # A late joiner or a standby of a finished job: one line, and the job's verdict as
+        # the exit code (0 when it succeeded), so systemd's Restart=on-failure stops here.
+        print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(0 if exc.success else 1) from None
+    except (ElasticTimeout, ResetLimitExceeded) as exc:
+        print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         _active = None
         if previous_handler is not None:

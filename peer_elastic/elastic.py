@@ -35,7 +35,6 @@ import torch.distributed as dist
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     InternalError,
-    JobFinished,
     LeaveRequested,
     PeerElasticError,
 )
@@ -113,9 +112,13 @@ class Peer:
         if group is None:
             return
         current = group.assignment.generation
-        newest = self.coordinator.latest_generation
+        coord = self.coordinator
+        snap = coord.snapshot()
+        newest = snap.generation
         want = newest.number if newest is not None else current
-        if self.coordinator.incarnation != self._incarnation or self.coordinator.error:
+        if coord.incarnation != self._incarnation or coord.error or snap.done is not None:
+            # Lease lost (we must not go on in this group), a fatal error, or the job ended
+            # (e.g. reset limit): everyone stops at this call and the reset path reports it.
             want = max(want, current + 1)
         buf = self._check_buf
         if buf is None:
@@ -130,8 +133,9 @@ class Peer:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.
 
         Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
-        raises ``SystemExit(0)`` once the job re-formed without it; a peer that finds the
-        job already finished raises ``SystemExit(0)`` too (or a failure exit code).
+        raises ``SystemExit(0)`` once the job re-formed without it. A peer that finds the
+        job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 1
+        when the job failed).
         """
         state._bind(self.check_host_updates)
         after = 0
@@ -157,9 +161,6 @@ class Peer:
         except LeaveRequested as exc:
             self._leave(str(exc))
             raise SystemExit(0) from None
-        except JobFinished as exc:
-            log.info("%s", exc)
-            raise SystemExit(0 if exc.success else 1) from None
         finally:
             state._bind(None)
 

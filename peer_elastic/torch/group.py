@@ -69,20 +69,34 @@ class GroupManager:
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
     ) -> None:
+        # gloo bounds its rendezvous waits by the group timeout (collective_timeout_s); the
+        # store's own timeout bounds plain gets. Both end early when the generation is
+        # superseded, through the store's abort check.
         self.coordinator = coordinator
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.current: FormedGroup | None = None
         self.attempts = 0
+        self._store: EtcdStore | None = None
 
     def destroy(self) -> None:
-        """Tear down the current group (if any). Safe after a failed collective."""
+        """Tear down the current group (if any). Safe after a failed collective or init."""
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # a broken group may complain while closing
                 log.debug("destroying process group: %s", exc)
+        else:
+            # A failed init_process_group leaves torch's group counter advanced, and the
+            # next rendezvous of this process would then use other keys than its peers
+            # ("1//cpu//..." vs "0//cpu//..."). Only a successful destroy resets it.
+            world = getattr(dist.distributed_c10d, "_world", None)
+            if world is not None and hasattr(world, "group_count"):
+                world.group_count = 0
+        if self._store is not None:
+            self._store.close()  # torch keeps only the C++ half alive; we held the rest
+            self._store = None
         self.current = None
 
     def form(self, after: int) -> FormedGroup:
@@ -101,7 +115,7 @@ class GroupManager:
                 log.info("generation %d superseded before everyone acknowledged it", a.generation)
                 continue
             t1 = time.monotonic()
-            store = self._store(a.generation)
+            store = self._store = self._new_store(a.generation)
             try:
                 dist.init_process_group(
                     self.backend, store=store, rank=a.rank, world_size=a.size,
@@ -125,7 +139,7 @@ class GroupManager:
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
 
-    def _store(self, generation: int) -> EtcdStore:
+    def _new_store(self, generation: int) -> EtcdStore:
         coord = self.coordinator
         assert coord.keys is not None and coord.run is not None
         return EtcdStore(

@@ -1,0 +1,281 @@
+"""The ``peer-elastic`` command.
+
+Exit codes: 0 success; 1 the job (or a command) failed; 2 bad usage or settings;
+3 etcd unreachable; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from peer_elastic.config import JOB_FIELDS
+from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerElasticError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def _setting_flags(p: argparse.ArgumentParser) -> None:
+    for f in JOB_FIELDS:
+        flag = "--" + f.name.removesuffix("_s").replace("_", "-")
+        p.add_argument(flag, dest=f.name, type=f.kind, default=None,
+                       help=f"{f.help} [{f.env}, default {f.default}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peer-elastic",
+        description="Elastic PyTorch training with no central driver; peers meet in etcd.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start N identical local peers running CMD",
+                         description="Start N identical peers running CMD, with the job's "
+                         "settings in their environment. Ctrl-C / SIGTERM makes them leave "
+                         "gracefully. The exit code is the job's.")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("--etcd", help="etcd endpoints, comma-separated (host:port or URLs)")
+    where.add_argument("--standalone", action="store_true",
+                       help="start an embedded etcd on a free loopback port for this run")
+    run.add_argument("--job", default=None, help="job name (default: a fresh name)")
+    run.add_argument("-n", "--nproc", type=int, required=True, help="number of peers to start")
+    _setting_flags(run)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+    etcd = sub.add_parser("etcd", help="run a single-node etcd for development")
+    etcd.add_argument("--data-dir", required=True)
+    etcd.add_argument("--port", type=int, default=2379)
+
+    status = sub.add_parser("status", help="show a job's generation, members and progress")
+    status.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
+    status.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"), required=False)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    drain = sub.add_parser("drain", help="ask one peer to leave gracefully")
+    drain.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
+    drain.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+    drain.add_argument("member_id")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "run":
+            return cmd_run(args, parser)
+        if args.command == "etcd":
+            return cmd_etcd(args)
+        if args.command == "status":
+            return cmd_status(args, parser)
+        if args.command == "drain":
+            return cmd_drain(args, parser)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except EtcdUnavailable as exc:
+        print(f"peer-elastic: {exc}", file=sys.stderr)
+        return EXIT_ETCD
+    except (ConfigError, EtcdError) as exc:
+        print(f"peer-elastic: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PeerElasticError as exc:
+        print(f"peer-elastic: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+# --- run ----------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        parser.error("run: give the command to run after --, e.g. -- python train.py")
+    if args.nproc < 1:
+        parser.error("run: -n must be at least 1")
+    job = args.job or f"job-{os.getpid()}-{int(time.time())}"
+    env = dict(os.environ)
+    env["PEER_ELASTIC_JOB"] = job
+    for f in JOB_FIELDS:
+        value = getattr(args, f.name)
+        if value is not None:
+            env[f.env] = str(value)
+    server = None
+    if args.standalone:
+        from peer_elastic.etcd_server import EtcdServer
+
+        server = EtcdServer().start()
+        env["PEER_ELASTIC_ETCD"] = server.endpoint
+        print(f"peer-elastic: embedded etcd at {server.endpoint}, job {job}", file=sys.stderr)
+    else:
+        env["PEER_ELASTIC_ETCD"] = args.etcd
+    try:
+        return _run_peers(cmd, args.nproc, env)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
+    procs: list[subprocess.Popen[Any]] = []
+    stopping = {"signal": 0}
+
+    def forward(signum: int, frame: Any) -> None:
+        # Ctrl-C or SIGTERM: every peer leaves gracefully (SIGTERM is "leave" to a peer).
+        stopping["signal"] = signum
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    old_int = signal.signal(signal.SIGINT, forward)
+    old_term = signal.signal(signal.SIGTERM, forward)
+    try:
+        for i in range(n):
+            penv = dict(env, PEER_ELASTIC_LOCAL_RANK=str(i))
+            procs.append(subprocess.Popen(cmd, env=penv))
+        codes = [p.wait() for p in procs]
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    if stopping["signal"]:
+        return EXIT_INTERRUPTED
+    failed = [c for c in codes if c != 0]
+    return failed[0] if failed else EXIT_OK
+
+
+# --- etcd ---------------------------------------------------------------------------------------
+
+
+def cmd_etcd(args: argparse.Namespace) -> int:
+    from peer_elastic.etcd_server import EtcdServer
+
+    server = EtcdServer(data_dir=args.data_dir, client_port=args.port, log_file=None)
+    server.start()
+    print(f"etcd running at {server.endpoint} (data in {args.data_dir}); Ctrl-C stops it",
+          file=sys.stderr)
+    try:
+        while server.running:
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    return EXIT_OK
+
+
+# --- status / drain -----------------------------------------------------------------------------
+
+
+def _need(args: argparse.Namespace, parser: argparse.ArgumentParser, *names: str) -> None:
+    for name in names:
+        if not getattr(args, name):
+            parser.error(f"{args.command}: --{name} is required (or set PEER_ELASTIC_{name.upper()})")
+
+
+def job_status(client: Any, job: str) -> dict[str, Any]:
+    """The ``status --json`` document (a stable schema; see the README)."""
+    from peer_elastic.etcd.keys import RunKeys
+    from peer_elastic.etcd.view import JobView
+
+    view = JobView(client, job).start()
+    try:
+        snap = view.snapshot()
+    finally:
+        view.stop()
+    if snap.run is None:
+        raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
+    gen = snap.generation
+    roster = list(gen.roster) if gen else []
+    eligible = snap.eligible()
+    now = time.time()
+    members = []
+    for m in snap.by_age:
+        members.append({
+            "id": m.id,
+            "host": m.host,
+            "rank": roster.index(m.id) if m.id in roster else None,
+            "standby": m.id not in roster,
+            "pid": m.record.pid,
+            "age_s": round(now - m.record.started_unix, 1),
+            "draining": m.id in snap.drains,
+        })
+    p = snap.progress
+    return {
+        "job": job,
+        "run_id": snap.run.run_id,
+        "generation": gen.number if gen else 0,
+        "world_size": len(roster),
+        "leader": eligible[0].id if eligible else None,
+        "reason": gen.reason if gen else "",
+        "resets": max(0, (gen.number if gen else 0) - 1),
+        "members": members,
+        "progress": None if p is None else {
+            "epoch": p.epoch, "batch": p.batch, "step": p.step, "generation": p.generation,
+            "world_size": p.world_size, "age_s": round(now - p.unix, 1),
+        },
+        "done": None if snap.done is None else {
+            "success": snap.done.success, "reason": snap.done.reason,
+        },
+        "config": {f.name: getattr(snap.run.config, f.name) for f in JOB_FIELDS},
+        "keys_prefix": RunKeys(job, snap.run.run_id).prefix,
+    }
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import EtcdClient
+
+    _need(args, parser, "etcd", "job")
+    with EtcdClient(args.etcd, retry_budget_s=5) as client:
+        doc = job_status(client, args.job)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"job {doc['job']} (run {doc['run_id']}): generation {doc['generation']}, "
+          f"world size {doc['world_size']}, leader {doc['leader']}, resets {doc['resets']}")
+    if doc["reason"]:
+        print(f"  last change: {doc['reason']}")
+    for m in doc["members"]:
+        role = "standby" if m["standby"] else f"rank {m['rank']}"
+        print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s"
+              + ("  (draining)" if m["draining"] else ""))
+    if doc["progress"]:
+        p = doc["progress"]
+        print(f"  progress: epoch {p['epoch']} batch {p['batch']} step {p['step']} "
+              f"({p['age_s']} s ago)")
+    if doc["done"]:
+        d = doc["done"]
+        print("  done: " + ("success" if d["success"] else f"failed: {d['reason']}"))
+    return EXIT_OK
+
+
+def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import drain
+
+    _need(args, parser, "etcd", "job")
+    with EtcdClient(args.etcd, retry_budget_s=5) as client:
+        drain(client, args.job, args.member_id, requested_by="peer-elastic drain")
+    print(f"asked {args.member_id} to leave job {args.job}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

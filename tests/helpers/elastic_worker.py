@@ -1,0 +1,125 @@
+"""One peer of a real elastic training job with an exactly-once oracle.
+
+The model's ``counts`` parameter gains exactly 1.0 for every sample trained on: each rank's
+loss is ``-world * counts[batch].sum()``, gradients are averaged over the world, and SGD
+with lr 1 adds the count of every sample of every rank (exact in float64). After the job,
+every sample of every epoch must have been counted exactly once: ``counts == EPOCHS``.
+A small network trained with Adam on the side proves optimizer state stays bit-identical.
+
+Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* variables.
+Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation,
+``STEP <epoch> <batch> <generation>`` every few batches, and on rank 0 at the end
+``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import peer_elastic as pe
+
+N = int(os.environ.get("WORKER_SAMPLES", "480"))
+EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
+BS = int(os.environ.get("WORKER_BATCH", "4"))
+STEP_S = float(os.environ.get("WORKER_STEP_S", "0.02"))
+COMMIT_EVERY = int(os.environ.get("WORKER_COMMIT_EVERY", "2"))
+RESULT_PATH = os.environ.get("WORKER_RESULT")
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = nn.Parameter(torch.zeros(N, dtype=torch.float64))
+
+
+def digest(state: pe.TorchState) -> str:
+    h = hashlib.sha256()
+    for t in [*state.model.state_dict().values(), *state.net.state_dict().values()]:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    for opt in (state.optimizer, state.adam):
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v):
+                    h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+def main() -> int:
+    torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
+    with pe.join() as peer:
+        sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False)
+        counter = Counter()
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        state = pe.TorchState(
+            model=counter,
+            optimizer=pe.DistributedOptimizer(torch.optim.SGD(counter.parameters(), lr=1.0)),
+            net=net,
+            adam=pe.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=1e-2)),
+            sampler=sampler,
+            epoch=0,
+        )
+        seen_sizes: list[int] = []
+        state.register_reset_callbacks([lambda: seen_sizes.append(dist.get_world_size())])
+
+        def train(state: pe.TorchState) -> dict:
+            world = dist.get_world_size()
+            say("GEN", peer.generation, peer.rank, world)
+            while state.epoch < EPOCHS:
+                shard = list(iter(state.sampler))
+                nb = torch.tensor([math.ceil(len(shard) / BS)])
+                dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
+                for b in range(int(nb)):
+                    idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
+                    state.optimizer.zero_grad()
+                    state.adam.zero_grad()
+                    loss = -(world * state.model.counts[idx]).sum()
+                    x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
+                    loss2 = ((state.net(x) - 0.5) ** 2).sum() * (len(idx) > 0)
+                    (loss + loss2).backward()
+                    state.optimizer.step()
+                    state.adam.step()
+                    state.sampler.record_batch(b, BS)
+                    time.sleep(STEP_S)
+                    if b % 5 == 0:
+                        say("STEP", state.epoch, b, peer.generation)
+                    if (b + 1) % COMMIT_EVERY == 0:
+                        state.commit()
+                        peer.record_progress(epoch=state.epoch, batch=b, step=state.commit_count)
+                state.epoch += 1
+                state.sampler.set_epoch(state.epoch)
+                state.commit()
+            digests = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
+            counts = state.model.counts.detach()
+            return {
+                "exact": bool(torch.equal(counts, torch.full_like(counts, float(EPOCHS)))),
+                "min": float(counts.min()), "max": float(counts.max()),
+                "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
+                "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
+                "reset_sizes": seen_sizes,
+            }
+
+        result = peer.run(train, state)
+        if peer.rank == 0:
+            say("RESULT", json.dumps(result))
+            if RESULT_PATH:
+                with open(RESULT_PATH, "w") as f:
+                    json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Peers as subprocesses, with their output collected and every process bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class PeerProc:
+    """One subprocess whose stdout lines are collected by a thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_line(self, prefix: str, timeout: float = 60, after: int = 0) -> str:
+        """First line starting with ``prefix`` at index >= ``after`` (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for line in self.lines[after:]:
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"{self.name}: no line starting {prefix!r}; output:\n" + self.output())
+                self.cond.wait(min(left, 0.5))
+
+    def output(self) -> str:
+        with self.cond:
+            return "\n".join(self.lines[-80:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit in {timeout} s:\n{self.output()}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Cluster:
+    """Elastic-worker peers of one job; all killed in ``close``."""
+
+    def __init__(self, endpoint: str, job: str, **settings: object) -> None:
+        self.env = dict(os.environ)
+        self.env.update({"PEER_ELASTIC_ETCD": endpoint, "PEER_ELASTIC_JOB": job,
+                         "PYTHONUNBUFFERED": "1"})
+        for k, v in settings.items():
+            self.env[k] = str(v)
+        self.peers: list[PeerProc] = []
+
+    def start(self, n: int = 1, module: str = "tests.helpers.elastic_worker",
+              **extra_env: object) -> list[PeerProc]:
+        out = []
+        for _ in range(n):
+            env = dict(self.env, **{k: str(v) for k, v in extra_env.items()})
+            p = PeerProc([sys.executable, "-m", module], env, f"peer{len(self.peers)}")
+            self.peers.append(p)
+            out.append(p)
+        return out
+
+    def close(self) -> None:
+        for p in self.peers:
+            p.kill()
