@@ -39,6 +39,7 @@ from peer_elastic.errors import (
     PeerElasticError,
 )
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.sampler import syncing_from
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
@@ -207,20 +208,8 @@ class Peer:
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
 
     def _agree_and_sync(self, state: Any) -> None:
-        """Agree on the commit every rank holds, then sync from rank 0 if anyone needs it."""
-        need = int(not self._synced_once or self._restored)
-        commit_id = int(getattr(state, "commit_id", 0))
-        t = torch.tensor([need, -commit_id, commit_id], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        any_need, low, high = int(t[0]), -int(t[1]), int(t[2])
-        if low != high:
-            # A commit's check collective finished on some ranks only: those are one commit
-            # ahead. Everyone goes back to the commit all of them completed.
-            if commit_id != low:
-                state.rollback_to(low)
-            any_need = 1
-        if any_need:
-            state.sync()
+        need = not self._synced_once or self._restored
+        agree_and_sync(state, self.rank, self.size, self.device, need)
         self._synced_once = True
         self._restored = False
 
@@ -251,6 +240,40 @@ class Peer:
     def close(self) -> None:
         self._progress.stop()
         self.groups.destroy()
+
+
+def agree_and_sync(state: Any, rank: int, size: int, device: torch.device, need: bool) -> int | None:
+    """Agree on the newest commit, then sync from a rank holding it if anyone needs it.
+
+    Collective over the default group; returns the rank synced from, or None when nobody
+    needed state (a removals-only reset: live state is already identical).
+
+    A commit is ``save()`` then the check collective; when a peer dies during that collective
+    it can complete on some ranks and fail on others, leaving them one commit apart. The
+    newer commit is consistent (every rank's progress is recorded on every rank), so everyone
+    adopts it from the lowest rank that has it, and no work is lost. One all-reduce (MAX) of
+    [needs state, commit, -commit] decides; a second runs only when ranks disagree.
+    """
+    mine = int(getattr(state, "commit_count", 0))
+    t = torch.tensor([int(need), mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    any_need, high, low = bool(t[0]), int(t[1]), -int(t[2])
+    src = 0
+    if low != high:
+        owner = torch.tensor([-(rank if mine == high else size)], dtype=torch.int64, device=device)
+        dist.all_reduce(owner, op=dist.ReduceOp.MAX)  # -(lowest rank holding the newest)
+        src, any_need = -int(owner.item()), True
+        log.info("commits differ (%d..%d): adopting commit %d from rank %d", low, high, high, src)
+    if not any_need:
+        return None
+    with syncing_from(src):
+        state.sync()
+    if hasattr(state, "commit_count"):
+        state.commit_count = high
+    # The synced state is the new restore point: a failure before the next commit must not
+    # roll this rank back to what it held before the sync.
+    state.save()
+    return src
 
 
 class _ProgressWriter:

@@ -327,7 +327,7 @@ def test_lost_lease_rejoins_as_new_member(peers: Peers) -> None:
     wait_gen([a, b], lambda g: len(g.roster) == 2)
     old = b.member_id
     a.client.revoke(b.lease_id)  # as if b had stalled past its TTL
-    gen, _ = wait_gen([a], lambda g: old not in g.roster and len(g.roster) == 2)
+    gen, _ = wait_gen([a, b], lambda g: old not in g.roster and len(g.roster) == 2)
     assert b.member_id != old and b.member_id in gen.roster
     assert b.assignment().rank == 1  # a joiner, never rank 0
     assert b.stats["rejoins"] == 1
