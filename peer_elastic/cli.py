@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
     status.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"), required=False)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to keep trying to reach etcd (default 5)")
 
     drain = sub.add_parser("drain", help="ask one peer to leave gracefully")
     drain.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
     drain.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+    drain.add_argument("--timeout", type=float, default=5.0,
+                       help="seconds to keep trying to reach etcd (default 5)")
     drain.add_argument("member_id")
     return parser
 
@@ -243,7 +247,7 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from peer_elastic.etcd.client import EtcdClient
 
     _need(args, parser, "etcd", "job")
-    with EtcdClient(args.etcd, retry_budget_s=5) as client:
+    with EtcdClient(args.etcd, retry_budget_s=args.timeout) as client:
         doc = job_status(client, args.job)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -271,7 +275,7 @@ def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from peer_elastic.etcd.coordinator import drain
 
     _need(args, parser, "etcd", "job")
-    with EtcdClient(args.etcd, retry_budget_s=5) as client:
+    with EtcdClient(args.etcd, retry_budget_s=args.timeout) as client:
         drain(client, args.job, args.member_id, requested_by="peer-elastic drain")
     print(f"asked {args.member_id} to leave job {args.job}")
     return EXIT_OK
