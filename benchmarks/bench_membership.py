@@ -30,7 +30,7 @@ until every view shows a generation with it (median of a few).
 
 Usage::
 
-    python benchmarks/bench_membership.py --out results.json          # N = 8, 64, 256 (~3 min)
+    python benchmarks/bench_membership.py --out results.json          # N = 8, 64, 256 (~2.5 min)
     python benchmarks/bench_membership.py --quick --out quick.json    # N = 8, 64, short windows
     python benchmarks/bench_membership.py --sizes 8,64 --procs 4
 """
@@ -242,7 +242,8 @@ class Worker:
             time.sleep(0.02)
 
     def leave(self, member_id: str) -> dict[str, Any]:
-        c = self.coords.pop(member_id)
+        key = next(k for k, c in self.coords.items() if c.member_id == member_id)
+        c = self.coords.pop(key)
         lease = c.lease_id
         t_call = time.time()
         c.close()
@@ -254,7 +255,8 @@ class Worker:
         snap = self.view.snapshot()
         gen = snap.generation
         return {"gen": gen.number if gen else 0, "roster": list(gen.roster) if gen else [],
-                "by_age": [m.id for m in snap.by_age], "local": list(self.coords),
+                "by_age": [m.id for m in snap.by_age],
+                "local": [c.member_id for c in self.coords.values()],  # ids change on rejoin
                 "run_lease": self.run_lease}
 
     def counts(self) -> dict[str, Any]:
@@ -292,8 +294,9 @@ class Worker:
         return stats
 
 
-def worker_main(idx: int, conn: Any, endpoint: str, job: str, settings: dict[str, Any]) -> None:
-    logging.basicConfig(level=logging.ERROR, format=f"%(asctime)s [w{idx}] %(levelname)s %(name)s: %(message)s")
+def worker_main(idx: int, conn: Any, endpoint: str, job: str, settings: dict[str, Any],
+                log_level: str = "ERROR") -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [w{idx}] %(levelname)s %(name)s: %(message)s")
     try:
         w = Worker(idx, endpoint, job, settings)
         conn.send({"ok": True, "pid": os.getpid()})
@@ -323,13 +326,14 @@ def worker_main(idx: int, conn: Any, endpoint: str, job: str, settings: dict[str
 class Pool:
     """The worker processes of one N; every call has a bounded wait."""
 
-    def __init__(self, procs: int, endpoint: str, job: str, settings: dict[str, Any]) -> None:
+    def __init__(self, procs: int, endpoint: str, job: str, settings: dict[str, Any],
+                 log_level: str = "ERROR") -> None:
         ctx = mp.get_context("spawn")  # no fork: gRPC threads do not survive it
         self.conns = []
         self.procs = []
         for i in range(procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(i, child, endpoint, job, settings),
+            p = ctx.Process(target=worker_main, args=(i, child, endpoint, job, settings, log_level),
                             name=f"bench-worker-{i}", daemon=True)
             p.start()
             child.close()
@@ -426,14 +430,13 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
     rng = random.Random(args.seed + n)
     out.update(n=n, procs=procs, job=job, settings=settings)
     t_begin = time.time()
-    pool = Pool(procs, server.endpoint, job, settings)
+    pool = Pool(procs, server.endpoint, job, settings, args.log_level)
     try:
         # (a) join burst
         pool.call_all("probe", {"probes": {"join_full": ["full", n, 0],
                                            "join_acked": ["full_acked", n, 0]}})
         shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         joined = [m for r in pool.call_all("join", [{"k": k} for k in shares]) for m in r]
-        owner = {m["id"]: m["worker"] for m in joined}
         last_put = max(m["put_t"] for m in joined)
         first_put = min(m["put_t"] for m in joined)
         res = pool.call_all("wait", {"names": ["join_full", "join_acked"], "timeout": 60}, 90)
@@ -454,8 +457,10 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
         # (c) steady state: no membership change
         time.sleep(args.quiet)
         c0, s0, t0 = pool.call_all("counts"), server_counts(server.client_url), time.time()
+        m0 = cpu_sample()
         time.sleep(args.steady)
         c1, s1, t1 = pool.call_all("counts"), server_counts(server.client_url), time.time()
+        machine_busy = busy_between(m0, cpu_sample())
         minutes = (t1 - t0) / 60.0
         by_method = {k: sum(b["counts"][k] - a["counts"][k] for a, b in zip(c0, c1, strict=True))
                      for k in COUNTED}
@@ -477,6 +482,9 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
             "server_per_member_per_min": sum(server_by.values()) / n / minutes,
             "worker_cpu_s_per_s": cpu / (t1 - t0),
             "worker_cpu_ms_per_member_per_s": cpu / (t1 - t0) / n * 1e3,
+            # all CPUs of the machine, every process (etcd, workers, anything else running)
+            "machine_cpu_busy": machine_busy,
+            "cpus": os.cpu_count(),
             "threads_per_worker": [b["threads"] for b in c1],
         }
         log(f"N={n}: steady {out['steady']['client_per_member_per_min']:.1f} (client) / "
@@ -487,16 +495,16 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
         leaves = []
         n_leaves = max(0, min(args.leaves, n - 2))
         for i in range(n_leaves + 1):
-            st = pool.call(0, "state")
-            leader = st["by_age"][0]
+            states = pool.call_all("state")
+            owner = {m: w for w, st in enumerate(states) for m in st["local"]}
+            by_age = [m for m in states[0]["by_age"] if m in owner]
             is_leader_leave = i == n_leaves
-            victim = leader if is_leader_leave else rng.choice(
-                [m for m in st["by_age"][1:] if m in owner])
-            g = st["gen"]
+            victim = by_age[0] if is_leader_leave else rng.choice(by_age[1:])
+            g = states[0]["gen"]
             probes = {f"gone{i}": ["gone", victim], f"gen{i}": ["without", victim, g],
                       f"ack{i}": ["without_acked", victim, g]}
             pool.call_all("probe", {"probes": probes})
-            r = pool.call(owner.pop(victim), "leave", {"member_id": victim})
+            r = pool.call(owner[victim], "leave", {"member_id": victim})
             res = pool.call_all("wait", {"names": list(probes), "timeout": 20}, 40)
             t_leave = r["revoke_t"] or r["call_t"]
             gone, gen = worst(res, f"gone{i}"), worst(res, f"gen{i}")
@@ -543,7 +551,6 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
             pool.call_all("probe", {"probes": probes})
             w = i % procs
             m = pool.call(w, "join", {"k": 1})[0]
-            owner[m["id"]] = w
             res = pool.call_all("wait", {"names": list(probes), "timeout": 20}, 40)
             seen = worst(res, f"late{i}")
             acked = worst(res, f"lateack{i}", required=False)  # settled before the next join
@@ -561,6 +568,31 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
         stats = pool.close()
         out["coordinator_stats"] = stats
         out["wall_s"] = time.time() - t_begin
+
+
+def cpu_sample() -> tuple[int, int] | None:
+    """(busy, idle) jiffies of all CPUs from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, idle
+
+
+def busy_between(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
+    """Fraction of all CPUs busy between two samples."""
+    if a is None or b is None:
+        return None
+    busy, idle = b[0] - a[0], b[1] - a[1]
+    return busy / max(1, busy + idle)
+
+
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    a = cpu_sample()
+    time.sleep(seconds)
+    return busy_between(a, cpu_sample())
 
 
 def log(msg: str) -> None:
@@ -638,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-ttl", type=float, default=10.0, help="run_ttl_s (default 10)")
     ap.add_argument("--no-fsync", action="store_true", help="run etcd with --unsafe-no-fsync")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--log-level", default="ERROR", help="log level inside the workers")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in (args.sizes or ("8,64" if args.quick else "8,64,256")).split(",")]
@@ -647,10 +680,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     started = time.time()
-    load_before = os.getloadavg()
-    if load_before[0] > 1.0:
-        log(f"warning: load average is {load_before[0]:.1f} before the run; other processes "
-            "compete for the CPUs and the latencies will be worse than on a quiet machine")
+    busy_before = cpu_busy()
+    if busy_before is not None and busy_before > 0.25:
+        log(f"warning: the CPUs are {busy_before:.0%} busy before the run; other processes "
+            "compete for them and the latencies will be worse than on a quiet machine")
     with EtcdServer(unsafe_no_fsync=args.no_fsync) as server:
         log(f"etcd {server.endpoint} (pid {server.pid}); sizes {sizes}, {args.procs} workers")
         for n in sizes:
@@ -666,8 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "args": vars(args),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
+        "cpu_busy_before": busy_before,
         "results": results,
         "targets": targets(results),
         "wall_s": time.time() - started,

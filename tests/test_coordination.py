@@ -363,3 +363,32 @@ def test_shared_view_simulates_many_members_in_one_process(etcd: str, unique_job
         for c in coords:
             c.close()
         client.close()
+
+
+def test_members_sharing_a_keeper_keep_the_run_alive_when_one_closes(
+        etcd: str, unique_job: str) -> None:
+    """A process hosting several members refreshes the shared run lease once; one member
+    closing must not stop the refresh for the others."""
+    from peer_elastic.etcd.lease import LeaseKeeper
+
+    client = EtcdClient(etcd)
+    keeper = LeaseKeeper(client)
+    view = JobView(client, unique_job)
+    settings = JobSettings(**{**FAST, "run_ttl_s": 3})
+    coords = [Coordinator(client, unique_job, settings, view=view, keeper=keeper).start()
+              for _ in range(3)]
+    try:
+        assert sum(1 for d in keeper._heap if d.lease_id == coords[0].run.lease_id) == 1
+        coords[0].close()
+        time.sleep(4.5)  # longer than run_ttl: only the refresh keeps the run alive
+        for c in coords[1:]:
+            c.check()
+            assert c.snapshot().run is not None
+        t0 = time.monotonic()
+        coords[1].close()  # closing is prompt: no waiting for a coordination tick
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for c in coords:
+            c.close()
+        keeper.stop()
+        client.close()

@@ -260,6 +260,17 @@ def map_error(exc: BaseException, what: str) -> Exception:
 
 # --- the client ------------------------------------------------------------------------------------
 
+# gRPC backs off reconnecting exponentially (1 s, 1.6 s, 2.6 s, ... up to 2 min). After an etcd
+# restart that can delay the first keep-alive past a short lease TTL, although etcd itself
+# is back and has restored the lease with its full TTL. Reconnect quickly and often instead.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
 
 class EtcdClient:
     """A thread-safe etcd v3 client with failover, bounded retries and typed errors.
@@ -295,7 +306,8 @@ class EtcdClient:
             creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(tls.ca_cert, tls.key, tls.cert)
         self._secure = secure
         eps = [
-            etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s)
+            etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s,
+                           opts=_CHANNEL_OPTIONS)
             for e in self.endpoints
         ]
         # Auth is done by hand below, so the client never attaches call credentials to a

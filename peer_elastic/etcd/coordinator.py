@@ -286,6 +286,7 @@ class Coordinator:
             log.warning("member %s lost its lease: %s", self.member_id, why)
             self._lost_lease.set()
             self._changed.notify_all()
+        self.view.wake()
 
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
         self._fail(PeerElasticError(
@@ -298,6 +299,7 @@ class Coordinator:
                 self.error = err
                 log.error("%s", err)
             self._changed.notify_all()
+        self.view.wake()
 
     # -- reading (no etcd I/O) --------------------------------------------------------------------
 
@@ -418,14 +420,13 @@ class Coordinator:
             return
         self._closed = True
         self._stop.set()
-        with self._lock:
-            self._changed.notify_all()
+        self.view.wake()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         if self._session is not None:
             self._session.close(revoke=leave)
         if self.run is not None and self._keeper is not None:
-            self._keeper.forget(self.run.lease_id)
+            self._keeper.forget(self.run.lease_id, self._on_run_lease_lost)
         self._shutdown_threads()
 
     def _shutdown_threads(self) -> None:
@@ -446,7 +447,8 @@ class Coordinator:
         wake_at: float | None = None
         while not self._stop.is_set():
             timeout = _TICK_S if wake_at is None else max(0.0, min(_TICK_S, wake_at - time.monotonic()))
-            version = self.view.wait_change(version, timeout)
+            version = self.view.wait_change(
+                version, timeout, until=lambda: self._stop.is_set() or self._lost_lease.is_set())
             if self._stop.is_set():
                 return
             try:
@@ -543,7 +545,8 @@ class Coordinator:
             seen = self._gen_seen_at.get(gen.number)
             pending = set(gen.roster) - snap.ready_for(gen.number)
             if seen is not None and pending:
-                return seen + cfg.join_timeout_s  # look again when silence would start
+                # Look again when silence would start (see silent_members).
+                return max(seen, snap.connected_at) + cfg.join_timeout_s
             return None
         if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:
             self._write_done(False, f"reset limit exceeded: {plan.number - 1} resets > "

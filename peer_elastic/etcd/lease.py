@@ -34,7 +34,7 @@ class _Due:
 @dataclass
 class _Kept:
     ttl_s: float
-    on_lost: OnLost
+    callbacks: list[OnLost]  # one per keep(); the lease is refreshed while any remains
     last_ok: float
 
 
@@ -56,15 +56,32 @@ class LeaseKeeper:
         self._thread.start()
 
     def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost) -> None:
-        """Start refreshing ``lease_id`` (first refresh after TTL/3)."""
+        """Start refreshing ``lease_id`` (first refresh after TTL/3).
+
+        Keeping a lease that is already kept (members of one process share the run lease)
+        only adds ``on_lost``: the lease is refreshed once, until every keeper forgot it.
+        """
         with self._lock:
-            self._leases[lease_id] = _Kept(ttl_s, on_lost, time.monotonic())
+            kept = self._leases.get(lease_id)
+            if kept is not None:
+                kept.callbacks.append(on_lost)
+                return
+            self._leases[lease_id] = _Kept(ttl_s, [on_lost], time.monotonic())
             heapq.heappush(self._heap, _Due(time.monotonic() + self._interval(ttl_s), lease_id))
         self._wake.set()
 
-    def forget(self, lease_id: int) -> None:
+    def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
+        """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
         with self._lock:
-            self._leases.pop(lease_id, None)
+            kept = self._leases.get(lease_id)
+            if kept is None:
+                return
+            if on_lost is not None and on_lost in kept.callbacks:
+                kept.callbacks.remove(on_lost)
+            elif kept.callbacks:
+                kept.callbacks.pop()
+            if not kept.callbacks:
+                del self._leases[lease_id]
 
     def stop(self) -> None:
         self._stopped.set()
@@ -118,10 +135,11 @@ class LeaseKeeper:
         with self._lock:
             if self._leases.pop(lease_id, None) is None:
                 return
-        try:
-            kept.on_lost(lease_id, why)
-        except Exception:
-            log.exception("lease-lost callback failed")
+        for callback in kept.callbacks:
+            try:
+                callback(lease_id, why)
+            except Exception:
+                log.exception("lease-lost callback failed")
 
 
 class Session:
@@ -153,7 +171,7 @@ class Session:
 
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke``, delete the lease and every key attached to it."""
-        self.keeper.forget(self.lease_id)
+        self.keeper.forget(self.lease_id, self._handle_lost)
         if revoke and not self.lost.is_set():
             try:
                 self.client.revoke(self.lease_id, budget_s=self.ttl_s)

@@ -47,12 +47,18 @@ class Wait:
     until: float | None = None
 
 
+#: etcd allows 128 operations per transaction; each dropped member costs one guard.
+MAX_DROPS_PER_GENERATION = 100
+
+
 def plan_next_generation(
     snap: ViewSnapshot, cfg: JobConfig, silent: Collection[str], now: float
 ) -> GenerationPlan | Wait:
     gen = snap.generation
     prev = tuple(gen.roster) if gen is not None else ()
-    silent_now = {m for m in silent if m in prev and m in snap.members}
+    # The rest of the silent members are dropped in the next round.
+    silent_now = set(sorted(m for m in silent if m in prev and m in snap.members)
+                     [:MAX_DROPS_PER_GENERATION])
     eligible = [m.id for m in snap.eligible() if m.id not in silent_now]
     eligible_set = set(eligible)
     survivors = [m for m in prev if m in eligible_set]
@@ -106,9 +112,15 @@ def plan_next_generation(
 
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
                    now: float) -> set[str]:
-    """Roster members of the current generation with no ack ``join_timeout`` after it appeared."""
+    """Roster members of the current generation with no ack ``join_timeout`` after it appeared.
+
+    The clock starts no earlier than the view's last (re)connection to etcd: while etcd was
+    unreachable nobody could ack, and an outage must not make healthy members look silent.
+    """
     gen = snap.generation
-    if gen is None or seen_at is None or now - seen_at < join_timeout_s:
+    if gen is None or seen_at is None:
+        return set()
+    if now - max(seen_at, snap.connected_at) < join_timeout_s:
         return set()
     acked = snap.ready_for(gen.number)
     return {m for m in gen.roster if m not in acked and m in snap.members}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -39,19 +39,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Member:
-    """A live member: its record plus the etcd facts that matter (age, lease)."""
+    """A live member: its record plus the etcd facts that matter (age, lease).
+
+    ``id`` and ``host`` are copied out of the protobuf record: they are read on every view
+    change by every member, and protobuf field access is slow by comparison.
+    """
 
     record: MemberRecord
     create_revision: int
     lease: int
+    id: str = ""
+    host: str = ""
 
-    @property
-    def id(self) -> str:
-        return self.record.member_id
-
-    @property
-    def host(self) -> str:
-        return self.record.host
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", self.record.member_id)
+        object.__setattr__(self, "host", self.record.host)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class ViewSnapshot:
     done: DoneRecord | None
     membership_changed_at: float  # time.monotonic() of the last join or leave
     departures: tuple[Departure, ...]  # recent leaves, oldest first
+    connected_at: float = 0.0  # time.monotonic() when the watch last (re)connected
 
     @property
     def generation_number(self) -> int:
@@ -108,8 +111,16 @@ class ViewSnapshot:
         return self.ready.get(n, frozenset())
 
     def eligible(self) -> list[Member]:
-        """Members, oldest first, that may be in a roster: not drained, host not blacklisted."""
-        return [m for m in self.by_age if m.id not in self.drains and m.host not in self.blacklist]
+        """Members, oldest first, that may be in a roster: not drained, host not blacklisted.
+
+        Computed once per snapshot (many members of one process read the same snapshot).
+        """
+        cached = self.__dict__.get("_eligible")
+        if cached is None:
+            cached = tuple(m for m in self.by_age
+                           if m.id not in self.drains and m.host not in self.blacklist)
+            object.__setattr__(self, "_eligible", cached)
+        return list(cached)
 
 
 class JobView:
@@ -131,7 +142,8 @@ class JobView:
         self._departures: list[Departure] = []
         self._departure_seq = 0
         self.malformed: dict[str, str] = {}
-        self._watch = PrefixWatch(client, self.prefix, self._apply_snapshot, self._apply_events)
+        self._watch = PrefixWatch(client, self.prefix, self._apply_snapshot, self._apply_events,
+                                  on_connected=self._on_connected)
         self._started = False
         self._users = 0
 
@@ -165,11 +177,20 @@ class JobView:
                 self._snapshot = self._build_snapshot()
             return self._snapshot
 
-    def wait_change(self, version: int, timeout: float) -> int:
-        """Block until the view's version differs from ``version`` (or timeout)."""
+    def wait_change(self, version: int, timeout: float,
+                    until: Callable[[], bool] | None = None) -> int:
+        """Block until the view's version differs from ``version``, ``until()`` holds (checked
+        at every :meth:`wake`), or ``timeout`` passes. Returns the current version."""
         with self._lock:
-            self._lock.wait_for(lambda: self._version != version, timeout=timeout)
+            self._lock.wait_for(
+                lambda: self._version != version or (until is not None and until()),
+                timeout=timeout)
             return self._version
+
+    def wake(self) -> None:
+        """Wake every waiter so it re-checks its own condition (close, lease loss)."""
+        with self._lock:
+            self._lock.notify_all()
 
     def wait_for(self, predicate, timeout: float) -> ViewSnapshot | None:  # noqa: ANN001
         """Wait until ``predicate(snapshot)`` holds; return that snapshot or None on timeout."""
@@ -208,6 +229,11 @@ class JobView:
                 else:
                     self._apply_delete(ev.kv.key)
             self._commit(revision)
+
+    def _on_connected(self) -> None:
+        # A (re)connection changes the picture's freshness (connected_at): publish it.
+        with self._lock:
+            self._commit(self._revision)
 
     def _commit(self, revision: int) -> None:
         self._revision = revision
@@ -371,6 +397,7 @@ class JobView:
             done=st.done,
             membership_changed_at=self._membership_changed_at,
             departures=tuple(self._departures),
+            connected_at=self._watch.connected_at,
         )
 
 

