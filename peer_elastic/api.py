@@ -37,12 +37,16 @@ from peer_elastic.errors import (
     PeerElasticError,
     ResetLimitExceeded,
 )
-from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, TLSConfig
+from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+#: Exit code of a peer whose job failed as a whole (reset limit, elastic timeout, a failed
+#: ``done`` record): restarting it cannot help. A crash of the peer itself exits otherwise.
+EXIT_JOB_FAILED = 4
 
 _active: Peer | None = None
 
@@ -54,13 +58,9 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def connect(etcd: str | None = None) -> EtcdClient:
     """An etcd client from ``etcd`` or ``PEER_ELASTIC_ETCD`` (plus TLS/auth variables)."""
-    endpoints = etcd or _env(ENV_ENDPOINTS)
-    if not endpoints:
+    if not (etcd or _env(ENV_ENDPOINTS)):
         raise ConfigError(f"no etcd endpoints: pass etcd='host:port' or set {ENV_ENDPOINTS}")
-    ca = _env("PEER_ELASTIC_ETCD_CA")
-    tls = TLSConfig(ca, _env("PEER_ELASTIC_ETCD_CERT"), _env("PEER_ELASTIC_ETCD_KEY")) if ca else None
-    return EtcdClient(endpoints, tls=tls, user=_env("PEER_ELASTIC_ETCD_USER"),
-                      password=_env("PEER_ELASTIC_ETCD_PASSWORD"))
+    return client_from_env(etcd)
 
 
 @contextlib.contextmanager
@@ -89,30 +89,40 @@ def join(
     if not job:
         raise ConfigError("no job name: pass job='name' or set PEER_ELASTIC_JOB")
     job_settings = JobSettings.from_env(min_np=min_np, max_np=max_np, **settings)
+    local_rank = int(_env("PEER_ELASTIC_LOCAL_RANK", "0") or 0)
+    chosen_backend = backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto"
     client = connect(etcd)
-    coord = Coordinator(client, job, job_settings, host=host, labels=labels)
+    coord = Coordinator(client, job, job_settings, host=host, labels=labels,
+                        local_rank=local_rank)
     peer: Peer | None = None
     previous_handler: Any = None
     try:
         coord.start()
         peer = Peer(
             coord,
-            backend=backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto",
+            backend=chosen_backend,
             collective_timeout_s=collective_timeout_s
             or float(_env("PEER_ELASTIC_COLLECTIVE_TIMEOUT", "30") or 30),
         )
+        if peer.groups.backend == "nccl":
+            import torch
+
+            # One GPU per local slot: PEER_ELASTIC_LOCAL_RANK (peer-elastic run and the
+            # systemd unit set it) picks the device before any collective runs.
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGTERM, _leave_on_signal(coord))
         _active = peer
         yield peer
     except JobFinished as exc:
         # A late joiner or a standby of a finished job: one line, and the job's verdict as
-        # the exit code (0 when it succeeded), so systemd's Restart=on-failure stops here.
+        # the exit code: 0 when it succeeded, EXIT_JOB_FAILED when it failed, so a unit with
+        # Restart=on-failure and RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(0 if exc.success else 1) from None
+        raise SystemExit(0 if exc.success else EXIT_JOB_FAILED) from None
     except (ElasticTimeout, ResetLimitExceeded) as exc:
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(EXIT_JOB_FAILED) from None
     finally:
         _active = None
         if previous_handler is not None:

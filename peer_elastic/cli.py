@@ -1,7 +1,8 @@
 """The ``peer-elastic`` command.
 
-Exit codes: 0 success; 1 the job (or a command) failed; 2 bad usage or settings;
-3 etcd unreachable; 130 interrupted.
+Exit codes: 0 success; 1 a command failed; 2 bad usage or settings; 3 etcd unreachable;
+4 the job failed as a whole (reset limit, elastic timeout); 130 interrupted. ``run``
+returns the first non-zero exit code of its peers.
 """
 
 from __future__ import annotations
@@ -244,10 +245,10 @@ def job_status(client: Any, job: str) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.client import client_from_env
 
     _need(args, parser, "etcd", "job")
-    with EtcdClient(args.etcd, retry_budget_s=args.timeout) as client:
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
         doc = job_status(client, args.job)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -271,11 +272,11 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.client import client_from_env
     from peer_elastic.etcd.coordinator import drain
 
     _need(args, parser, "etcd", "job")
-    with EtcdClient(args.etcd, retry_budget_s=args.timeout) as client:
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
         drain(client, args.job, args.member_id, requested_by="peer-elastic drain")
     print(f"asked {args.member_id} to leave job {args.job}")
     return EXIT_OK

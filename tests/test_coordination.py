@@ -245,6 +245,15 @@ def test_elastic_timeout_fails_with_clear_error(peers: Peers) -> None:
     (a,) = peers.start(1, min_np=2, elastic_timeout_s=1.0)
     with pytest.raises(ElasticTimeout, match="min_np=2"):
         a.wait_generation(0, timeout=15)
+    # The run is recorded as failed: a restarted or late peer does not wait all over again.
+    with pytest.raises(ElasticTimeout, match="elastic timeout"):
+        peers.start(1, min_np=2, elastic_timeout_s=1.0)
+
+
+def test_drain_of_an_unknown_member_is_refused(peers: Peers) -> None:
+    (a,) = peers.start(1)
+    with pytest.raises(ConfigError, match="no member 'nobody'"):
+        drain(a.client, peers.job, "nobody")
 
 
 def test_reset_limit_stops_a_job_that_resets_too_often(peers: Peers) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import ipaddress
 import json
 import os
@@ -86,6 +87,7 @@ def render_unit(text: str, name: str, directory: Path) -> tuple[Path, list[str]]
     return path, replaced
 
 
+@functools.cache
 def _verify_supports(flag: str) -> bool:
     assert SYSTEMD_ANALYZE is not None
     proc = subprocess.run([SYSTEMD_ANALYZE, "--help"], capture_output=True, text=True,
@@ -651,7 +653,12 @@ class _LocalCluster:
 
     def start(self, attempts: int = 3) -> _LocalCluster:
         for attempt in range(attempts):
-            if self._try_start(attempt):
+            try:
+                started = self._try_start(attempt)
+            except BaseException:
+                self.stop()
+                raise
+            if started:
                 return self
             self.stop()
         raise AssertionError("etcd cluster did not start:\n" + self._tails())

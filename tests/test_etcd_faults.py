@@ -114,8 +114,11 @@ def test_peers_survive_etcd_restart_without_spurious_generation(fresh_etcd, uniq
 @pytest.mark.cluster
 def test_peer_keeps_lease_and_watch_when_its_etcd_member_dies(etcd_cluster, unique_job) -> None:
     eps = etcd_cluster.endpoint_string
+    # The default lease TTL: losing the etcd leader costs about 2 s of unavailability
+    # (election plus the client's timeout), which the default leaves room for.
+    settings = JobSettings(**{**FAST, "lease_ttl_s": 5.0})
     clients = [EtcdClient(eps, retry_budget_s=30) for _ in range(2)]
-    coords = [Coordinator(c, unique_job, JobSettings(**FAST)).start() for c in clients]
+    coords = [Coordinator(c, unique_job, settings).start() for c in clients]
     try:
         snap = coords[0].view.wait_for(
             lambda s: s.generation is not None and len(s.generation.roster) == 2, 15)
@@ -124,10 +127,10 @@ def test_peer_keeps_lease_and_watch_when_its_etcd_member_dies(etcd_cluster, uniq
         in_use = clients[0]._raw.endpoint_in_use.netloc
         victim = next(i for i, m in enumerate(etcd_cluster.members) if m.endpoint == in_use)
         etcd_cluster.kill(victim)
-        time.sleep(FAST["lease_ttl_s"] + 1)  # longer than the TTL: the keep-alive must fail over
+        time.sleep(settings.lease_ttl_s + 1)  # past the TTL: the keep-alive must fail over
         extra = EtcdClient(eps, retry_budget_s=30)
         clients.append(extra)
-        coords.append(Coordinator(extra, unique_job, JobSettings(**FAST)).start())
+        coords.append(Coordinator(extra, unique_job, settings).start())
         s = coords[0].view.wait_for(lambda s: s.generation is not None
                                     and len(s.generation.roster) == 3, 20)
         assert s is not None, "the watch did not survive the member loss"

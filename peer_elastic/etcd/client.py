@@ -18,6 +18,7 @@ Nothing above this module imports ``etcd3`` or ``grpc``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -299,7 +300,7 @@ class EtcdClient:
         secure = tls is not None or any(e.secure for e in self.endpoints)
         if secure and tls is None:
             raise EtcdError(
-                "an https:// etcd endpoint needs a CA certificate (--etcd-ca / PEER_ELASTIC_ETCD_CA)"
+                "an https:// etcd endpoint needs a CA certificate (set PEER_ELASTIC_ETCD_CA)"
             )
         creds = None
         if tls is not None:
@@ -565,3 +566,18 @@ class EtcdClient:
 
 class _Retry(Exception):
     """Internal: the auth token was renewed, try the call again."""
+
+
+def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:
+    """A client for ``endpoints`` (default ``PEER_ELASTIC_ETCD``) with TLS and auth from
+    ``PEER_ELASTIC_ETCD_CA`` / ``_CERT`` / ``_KEY`` and ``PEER_ELASTIC_ETCD_USER`` /
+    ``_PASSWORD``: what every peer and every CLI command uses."""
+    endpoints = endpoints or os.environ.get(ENV_ENDPOINTS)
+    if not endpoints:
+        raise EtcdError(f"no etcd endpoints: pass them or set {ENV_ENDPOINTS}")
+    ca = os.environ.get("PEER_ELASTIC_ETCD_CA") or None
+    cert = os.environ.get("PEER_ELASTIC_ETCD_CERT") or None
+    key = os.environ.get("PEER_ELASTIC_ETCD_KEY") or None
+    return EtcdClient(endpoints, tls=TLSConfig(ca, cert, key) if ca else None,
+                      user=os.environ.get("PEER_ELASTIC_ETCD_USER") or None,
+                      password=os.environ.get("PEER_ELASTIC_ETCD_PASSWORD") or None, **kwargs)

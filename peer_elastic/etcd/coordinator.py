@@ -534,10 +534,6 @@ class Coordinator:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None
         self._count_failures(snap, cfg)
-        if self._short_since is not None and now - self._short_since > cfg.elastic_timeout_s:
-            self._write_done(False, f"elastic timeout: fewer than min_np={cfg.min_np} peers "
-                                    f"for {cfg.elastic_timeout_s:.0f} s")
-            return None
         plan = plan_next_generation(snap, cfg, silent, now)
         if isinstance(plan, Wait):
             if silent or gen is None or plan.until is not None:
@@ -562,6 +558,10 @@ class Coordinator:
         if self._short_since is None:
             self._short_since = now
         elif now - self._short_since > cfg.elastic_timeout_s:
+            # The run fails as a whole: record it (the first writer wins), so peers that
+            # systemd restarts, and late joiners, see a failed job instead of waiting again.
+            self._write_done(False, f"elastic timeout: fewer than min_np={cfg.min_np} peers "
+                                    f"for {cfg.elastic_timeout_s:.0f} s")
             raise ElasticTimeout(
                 f"job {self.job!r}: only {available} of min_np={cfg.min_np} peers were "
                 f"available for {cfg.elastic_timeout_s:.0f} s (elastic timeout); giving up. "
@@ -657,5 +657,7 @@ def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "ope
         raise ConfigError(f"job {job!r} has no running run")
     run = decode(RunRecord, run_kv.value, run_kv.key)
     keys = RunKeys(job, run.run_id)
+    if not valid_name(member_id) or client.get(keys.member(member_id)) is None:
+        raise ConfigError(f"job {job!r} has no member {member_id!r} (see peer-elastic status)")
     rec = DrainRecord(member_id=member_id, requested_by=requested_by, unix=time.time())
     client.put(keys.drain(member_id), encode(rec), run.lease_id)
