@@ -13,6 +13,8 @@ started by systemd or a scheduler need none:
 ``PEER_ELASTIC_BACKEND``    ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``
 ``PEER_ELASTIC_COLLECTIVE_TIMEOUT``  seconds before a stuck collective fails (default 30)
 ``PEER_ELASTIC_HOST``       host name this peer reports (default: the machine's)
+``PEER_ELASTIC_LOCAL_RANK`` this peer's slot on its host (with nccl: its GPU)
+``PEER_ELASTIC_LOG_LEVEL``  WARNING (default), INFO or DEBUG
 =========================  ============================================================
 """
 
@@ -28,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from peer_elastic import logs
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
 from peer_elastic.errors import (
@@ -88,6 +91,7 @@ def join(
     job = job or _env("PEER_ELASTIC_JOB")
     if not job:
         raise ConfigError("no job name: pass job='name' or set PEER_ELASTIC_JOB")
+    logs.setup()
     job_settings = JobSettings.from_env(min_np=min_np, max_np=max_np, **settings)
     local_rank = int(_env("PEER_ELASTIC_LOCAL_RANK", "0") or 0)
     chosen_backend = backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto"
@@ -98,6 +102,7 @@ def join(
     previous_handler: Any = None
     try:
         coord.start()
+        logs.set_context(member=coord.member_id)
         peer = Peer(
             coord,
             backend=chosen_backend,

@@ -63,6 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to keep trying to reach etcd (default 5)")
 
+    events = sub.add_parser("events", help="show a job's event log",
+                            description="Joins, leaves, expiries, drains, blacklisting, and "
+                            "every generation formed with its cause and timing breakdown.")
+    events.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
+    events.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    events.add_argument("--json", action="store_true", help="one JSON object per line")
+    events.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to keep trying to reach etcd (default 5)")
+
+    setp = sub.add_parser("set", help="change settings of a running job",
+                          description="Change settings of a running job, e.g. min_np=3 "
+                          "max_np=8. Peers pick them up at their next step; no restart.")
+    setp.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
+    setp.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+    setp.add_argument("--timeout", type=float, default=5.0)
+    setp.add_argument("assignments", nargs="+", metavar="NAME=VALUE")
+    for name, help_text in (("pause", "freeze the roster: joiners wait as standbys"),
+                            ("resume", "let joiners in again")):
+        sp = sub.add_parser(name, help=help_text)
+        sp.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
+        sp.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+        sp.add_argument("--timeout", type=float, default=5.0)
+
     drain = sub.add_parser("drain", help="ask one peer to leave gracefully")
     drain.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
     drain.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
@@ -88,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(args, parser)
         if args.command == "drain":
             return cmd_drain(args, parser)
+        if args.command == "events":
+            return cmd_events(args, parser)
+        if args.command in ("set", "pause", "resume"):
+            return cmd_set(args, parser)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except EtcdUnavailable as exc:
@@ -279,6 +307,83 @@ def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
         drain(client, args.job, args.member_id, requested_by="peer-elastic drain")
     print(f"asked {args.member_id} to leave job {args.job}")
+    return EXIT_OK
+
+
+def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
+    from peer_elastic.errors import RecordError
+    from peer_elastic.records import EventRecord, decode
+
+    try:
+        ev = decode(EventRecord, kv_value, key)
+    except RecordError:
+        return None
+    if as_json:
+        return json.dumps({"unix": ev.unix, "kind": ev.kind, "member": ev.member_id,
+                           "generation": ev.generation, "detail": ev.detail,
+                           "timings_s": dict(ev.timings_s)}, sort_keys=True)
+    stamp = time.strftime("%H:%M:%S", time.localtime(ev.unix)) + f".{int(ev.unix % 1 * 1000):03d}"
+    line = f"{stamp} gen {ev.generation:<4} {ev.kind:<18} {ev.member_id:<28} {ev.detail}"
+    if ev.timings_s:
+        order = ["detected_to_written", "written_to_formed", "formed_to_synced",
+                 "synced_to_first_step", "total"]
+        parts = [f"{k}={ev.timings_s[k] * 1000:.0f}ms" for k in order if k in ev.timings_s]
+        line += "  [" + " ".join(parts) + "]"
+    return line
+
+
+def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.etcd.keys import RunKeys
+    from peer_elastic.etcd.watch import PrefixWatch
+    from peer_elastic.records import RunRecord, decode
+
+    _need(args, parser, "etcd", "job")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        run_kv = client.get(RunKeys(args.job, "x").run_key)
+        if run_kv is None:
+            raise ConfigError(f"job {args.job!r} has no running run")
+        run = decode(RunRecord, run_kv.value, run_kv.key)
+        prefix = RunKeys(args.job, run.run_id).events_prefix
+
+        def show(kvs: list[Any]) -> None:
+            for kv in sorted(kvs, key=lambda kv: kv.key):
+                line = _event_line(kv.value, kv.key, args.json)
+                if line is not None:
+                    print(line, flush=True)
+
+        if not args.follow:
+            kvs, _ = client.get_prefix(prefix)
+            show(kvs)
+            return EXIT_OK
+        watch = PrefixWatch(client, prefix, lambda kvs, rev: show(kvs),
+                            lambda evs, rev: show([e.kv for e in evs if e.kind == "put"]))
+        watch.start()
+        try:
+            while True:
+                time.sleep(0.5)
+        finally:
+            watch.stop()
+
+
+def cmd_set(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.etcd.coordinator import update_config
+
+    _need(args, parser, "etcd", "job")
+    if args.command == "set":
+        changes: dict[str, object] = {}
+        for item in args.assignments:
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                parser.error(f"set: expected NAME=VALUE, got {item!r}")
+            changes[name.strip()] = value.strip()
+    else:
+        changes = {"paused": args.command == "pause"}
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        cfg = update_config(client, args.job, changes, requested_by="peer-elastic " + args.command)
+    shown = ", ".join(f"{k}={getattr(cfg, k)}" for k in changes)
+    print(f"job {args.job}: {shown}")
     return EXIT_OK
 
 

@@ -8,12 +8,15 @@ therefore need no arguments: everything can come from ``PEER_ELASTIC_*`` variabl
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from peer_elastic.errors import ConfigError
 from peer_elastic.records import JobConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,21 @@ class JobSettings:
         validate(cfg)
         return cfg
 
-    def check_against(self, job: JobConfig, job_name: str) -> None:
-        """Raise :class:`ConfigError` naming every setting this peer set differently."""
+    def check_against(self, job: JobConfig, job_name: str, adopt: set[str] | None = None) -> None:
+        """Raise :class:`ConfigError` naming every setting this peer set differently.
+
+        Settings in ``adopt`` were changed while the job ran (``peer-elastic set``): a peer
+        started from an older environment file adopts them with a warning instead of failing.
+        """
         diffs = []
         for f in JOB_FIELDS:
             mine = getattr(self, f.name)
             if mine is None:
+                continue
+            if adopt and f.name in adopt:
+                if mine != getattr(job, f.name):
+                    log.warning("%s: adopting %s=%r, changed while the job ran (this peer has "
+                                "%r)", job_name, f.name, getattr(job, f.name), mine)
                 continue
             theirs = getattr(job, f.name)
             same = abs(mine - theirs) < 1e-9 if f.kind is float else mine == theirs

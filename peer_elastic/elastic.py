@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from peer_elastic import logs
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     InternalError,
@@ -68,7 +69,8 @@ class Peer:
         self.resets = 0
         self.last_reset_s = 0.0
         self.reset_log: list[dict[str, Any]] = []
-        self._progress = _ProgressWriter(coordinator)
+        self._pending_timing: dict[str, Any] | None = None
+        self._progress = _Publisher(coordinator)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -112,6 +114,8 @@ class Peer:
         group = self._group
         if group is None:
             return
+        if self._pending_timing is not None:
+            self._publish_timing()
         current = group.assignment.generation
         coord = self.coordinator
         snap = coord.snapshot()
@@ -182,10 +186,13 @@ class Peer:
         while True:
             try:
                 self._group = self.groups.form(after)
+                formed_unix = time.time()
                 self._incarnation = self.coordinator.incarnation
                 if not first:
                     state.on_reset()  # after the new group exists, before state is synced
                 self._agree_and_sync(state)
+                self._pending_timing = {"formed": formed_unix, "synced": time.time(),
+                                        "gen": self.coordinator.latest_generation}
                 break
             except PeerElasticError:
                 raise
@@ -203,6 +210,7 @@ class Peer:
             self.resets += 1
             self.last_reset_s = took
         a = self._group.assignment
+        logs.set_context(member=self.coordinator.member_id, rank=a.rank, generation=a.generation)
         self.reset_log.append({"generation": a.generation, "rank": a.rank, "size": a.size,
                                "seconds": took, "reason": a.reason})
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
@@ -212,6 +220,24 @@ class Peer:
         agree_and_sync(state, self.rank, self.size, self.device, need)
         self._synced_once = True
         self._restored = False
+
+    def _publish_timing(self) -> None:
+        """At the first step after a reset: rank 0 logs where the recovery time went."""
+        t, self._pending_timing = self._pending_timing, None
+        gen = t["gen"] if t else None
+        if self.rank != 0 or gen is None or gen.number != self.generation:
+            return
+        first_step = time.time()
+        detected = gen.detected_unix or gen.written_unix
+        timings = {
+            "detected_to_written": gen.written_unix - detected,
+            "written_to_formed": t["formed"] - gen.written_unix,
+            "formed_to_synced": t["synced"] - t["formed"],
+            "synced_to_first_step": first_step - t["synced"],
+            "total": first_step - detected,
+        }
+        self._progress.offer_event("generation formed", f"world {self.size}: {gen.reason}",
+                                   gen.number, timings)
 
     def _finish(self) -> None:
         if self.rank == 0:
@@ -276,13 +302,15 @@ def agree_and_sync(state: Any, rank: int, size: int, device: torch.device, need:
     return src
 
 
-class _ProgressWriter:
-    """Writes the newest progress record from a thread, at most once a second."""
+class _Publisher:
+    """Writes progress (the newest, at most once a second) and events from a thread, so
+    the training thread never waits on etcd."""
 
     def __init__(self, coordinator: Coordinator, period_s: float = 1.0) -> None:
         self._coord = coordinator
         self._period = period_s
         self._latest: dict[str, int] | None = None
+        self._events: list[tuple[str, str, int, dict[str, float]]] = []
         self._cv = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -290,23 +318,37 @@ class _ProgressWriter:
     def offer(self, **fields: int) -> None:
         with self._cv:
             self._latest = fields
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
-                self._thread.start()
-            self._cv.notify()
+            self._start()
+
+    def offer_event(self, kind: str, detail: str, generation: int,
+                    timings: dict[str, float]) -> None:
+        with self._cv:
+            self._events.append((kind, detail, generation, timings))
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+            self._thread.start()
+        self._cv.notify()
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._latest is not None or self._stopped)
+                self._cv.wait_for(lambda: self._latest is not None or self._events
+                                  or self._stopped)
                 if self._stopped:
                     return
                 fields, self._latest = self._latest, None
-            try:
-                self._coord.record_progress(**fields)  # type: ignore[arg-type]
-            except PeerElasticError as exc:
-                log.debug("progress not recorded: %s", exc)
-            time.sleep(self._period)
+                events, self._events = self._events, []
+            for kind, detail, generation, timings in events:
+                self._coord.record_event(kind, detail, generation=generation, timings=timings)
+            if fields is not None:
+                try:
+                    self._coord.record_progress(**fields)
+                except PeerElasticError as exc:
+                    log.debug("progress not recorded: %s", exc)
+                time.sleep(self._period)
 
     def stop(self) -> None:
         with self._cv:

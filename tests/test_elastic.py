@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -86,6 +88,20 @@ def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Clust
     assert r["identical"] and r["world"] == 1 and r["rank"] == 0  # the oldest survivor
     # b left without a rollback and c joined mid-epoch: generations it saw are ordered.
     assert [g for g, _, _ in gen_lines(d)] == sorted({g for g, _, _ in gen_lines(d)})
+    # Every reset is in the event log with where its time went.
+    r = subprocess.run([sys.executable, "-m", "peer_elastic.cli", "events", "--etcd",
+                        cluster.env["PEER_ELASTIC_ETCD"], "--job", cluster.env["PEER_ELASTIC_JOB"],
+                        "--json"], capture_output=True, text=True, timeout=60)
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    formed = [e for e in events if e["kind"] == "generation formed"]
+    assert len(formed) >= 3, r.stdout + r.stderr
+    for e in formed:
+        t = e["timings_s"]
+        assert set(t) == {"detected_to_written", "written_to_formed", "formed_to_synced",
+                          "synced_to_first_step", "total"}
+        assert 0 <= t["total"] < 60
+    kinds = {e["kind"] for e in events}
+    assert {"joined", "left", "expired", "drain requested"} <= kinds, kinds
 
 
 def test_standby_is_promoted_and_a_stalled_peer_rejoins(cluster: Cluster) -> None:

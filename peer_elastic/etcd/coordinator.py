@@ -206,6 +206,7 @@ class Coordinator:
         self._keeper.keep(self.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost)
         log.info("joined job %s run %s as %s (lease %x)", self.job, self.run.run_id, member_id,
                  session.lease_id)
+        self._event("joined", detail=f"host {self.host} pid {os.getpid()}")
         # Wait until our own watch shows us, so "am I a member" questions are answered.
         self.view.wait_for(lambda s: member_id in s.members, timeout=max(5.0, self.config.lease_ttl_s))
 
@@ -243,7 +244,7 @@ class Coordinator:
                 f"job {self.job!r} has an unreadable run record ({exc}). If no peer of it is "
                 f"running, delete it: etcdctl del --prefix {RunKeys(self.job, 'x').job_prefix}"
             ) from None
-        self.settings.check_against(run.config, self.job)
+        self.settings.check_against(run.config, self.job, adopt=set(run.overridden))
         return run
 
     def _set_run(self, run: RunRecord) -> None:
@@ -424,6 +425,8 @@ class Coordinator:
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         if self._session is not None:
+            if leave and not self._lost_lease.is_set() and self.snapshot().done is None:
+                self._event("left")
             self._session.close(revoke=leave)
         if self.run is not None and self._keeper is not None:
             self._keeper.forget(self.run.lease_id, self._on_run_lease_lost)
@@ -571,10 +574,15 @@ class Coordinator:
     def _write_generation(self, snap: ViewSnapshot, plan: GenerationPlan) -> None:
         assert self.keys is not None and self.run is not None
         keys, run_lease = self.keys, self.run.lease_id
+        now_unix = time.time()
+        if plan.broken or plan.dropped:
+            detected = now_unix  # acted on the moment it was seen
+        else:  # a join or leave, batched for settle_s: it happened when membership changed
+            detected = now_unix - max(0.0, time.monotonic() - snap.membership_changed_at)
         rec = GenerationRecord(
             number=plan.number, roster=list(plan.roster), reason=plan.reason,
-            needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=time.time(),
-            joined=list(plan.joined), removed=list(plan.removed),
+            needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=now_unix,
+            joined=list(plan.joined), removed=list(plan.removed), detected_unix=detected,
         )
         # Still absent acks of dropped members: if one arrives first, the drop is wrong.
         guards = [Txn.version(keys.ready(plan.number - 1, m)) == 0 for m in plan.dropped]
@@ -615,6 +623,10 @@ class Coordinator:
         fresh = [d for d in snap.departures if d.seq > self._departure_seq]
         if snap.departures:
             self._departure_seq = snap.departures[-1].seq
+        for d in fresh:
+            if not d.graceful:
+                self._event("expired", member_id=d.member_id,
+                            detail=f"host {d.host}: lease ended without a graceful leave")
         if not cfg.blacklist_after:
             return
         assert self.keys is not None and self.run is not None
@@ -637,17 +649,24 @@ class Coordinator:
                 self.client.compare_and_put(self.keys.failures(d.host), encode(rec), mod,
                                             self.run.lease_id)
 
-    def _event(self, kind: str, detail: str = "", **timings: float) -> None:
+    def record_event(self, kind: str, detail: str = "", member_id: str | None = None,
+                     generation: int | None = None, timings: Mapping[str, float] | None = None,
+                     ) -> None:
+        """Append to the run's event log (best effort: a lost event is logged, not raised)."""
         if self.keys is None or self.run is None:
             return
-        rec = EventRecord(kind=kind, member_id=self.member_id, detail=detail, unix=time.time(),
-                          generation=self.snapshot().generation_number)
-        rec.timings_s.update(timings)
+        rec = EventRecord(kind=kind, member_id=member_id or self.member_id, detail=detail,
+                          unix=time.time(),
+                          generation=generation or self.snapshot().generation_number)
+        rec.timings_s.update(timings or {})
         try:
             self.client.put(self.keys.event(f"{time.time_ns():020d}-{self.member_id}"),
                             encode(rec), self.run.lease_id)
         except EtcdError as exc:
             log.debug("event not recorded: %s", exc)
+
+    def _event(self, kind: str, detail: str = "", member_id: str | None = None) -> None:
+        self.record_event(kind, detail, member_id)
 
 
 def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "operator") -> None:
@@ -660,4 +679,64 @@ def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "ope
     if not valid_name(member_id) or client.get(keys.member(member_id)) is None:
         raise ConfigError(f"job {job!r} has no member {member_id!r} (see peer-elastic status)")
     rec = DrainRecord(member_id=member_id, requested_by=requested_by, unix=time.time())
-    client.put(keys.drain(member_id), encode(rec), run.lease_id)
+    event = EventRecord(kind="drain requested", member_id=member_id, unix=time.time(),
+                        detail=f"by {requested_by}")
+    client.txn([], [
+        Txn.put(keys.drain(member_id), encode(rec), run.lease_id),
+        Txn.put(keys.event(f"{time.time_ns():020d}-{member_id}"), encode(event), run.lease_id),
+    ])
+
+
+#: Settings that can change while a job runs. Lease TTLs cannot: leases are already granted.
+RUNTIME_SETTINGS = frozenset({
+    "min_np", "max_np", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after",
+    "blacklist_cooldown_s", "settle_s", "start_settle_s", "paused",
+})
+
+
+def update_config(client: EtcdClient, job: str, changes: Mapping[str, object],
+                  requested_by: str = "operator") -> JobConfig:
+    """Change settings of a running job (``peer-elastic set``, ``pause``, ``resume``).
+
+    Peers read the settings from the watched run record, so the change takes effect at
+    their next step, with no restart. Compare-and-swap on the run record; retried when a
+    peer or another operator changed it meanwhile.
+    """
+    from peer_elastic.config import JOB_FIELDS, validate
+
+    kinds = {f.name: f.kind for f in JOB_FIELDS} | {"paused": bool}
+    for name in changes:
+        if name not in kinds:
+            raise ConfigError(f"unknown setting {name!r}; settable: {sorted(RUNTIME_SETTINGS)}")
+        if name not in RUNTIME_SETTINGS:
+            raise ConfigError(f"{name} cannot change while the job runs (leases already hold it)")
+    run_key = RunKeys(job, "x").run_key
+    for _attempt in range(10):
+        kv = client.get(run_key)
+        if kv is None:
+            raise ConfigError(f"job {job!r} has no running run")
+        run = decode(RunRecord, kv.value, kv.key)
+        for name, value in changes.items():
+            kind = kinds[name]
+            try:
+                if kind is bool and isinstance(value, str):
+                    parsed: object = value.lower() in ("1", "true", "yes", "on")
+                else:
+                    parsed = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+            setattr(run.config, name, parsed)
+            if name not in run.overridden:
+                run.overridden.append(name)
+        validate(run.config)
+        keys = RunKeys(job, run.run_id)
+        detail = ", ".join(f"{k}={getattr(run.config, k)}" for k in changes)
+        event = EventRecord(kind="settings changed", unix=time.time(),
+                            detail=f"{detail} (by {requested_by})")
+        ok, _ = client.txn([Txn.mod(run_key) == kv.mod_revision], [
+            Txn.put(run_key, encode(run), run.lease_id),
+            Txn.put(keys.event(f"{time.time_ns():020d}-operator"), encode(event), run.lease_id),
+        ])
+        if ok:
+            return run.config
+    raise PeerElasticError(f"job {job!r}: the run record kept changing; settings not applied")

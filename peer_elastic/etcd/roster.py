@@ -62,11 +62,13 @@ def plan_next_generation(
     eligible = [m.id for m in snap.eligible() if m.id not in silent_now]
     eligible_set = set(eligible)
     survivors = [m for m in prev if m in eligible_set]
-    newcomers = [m for m in eligible if m not in set(survivors)]
+    # Paused: the roster is frozen against joins (they wait as standbys), but departures,
+    # crashes and broken generations are still handled so training can go on.
+    newcomers = [] if cfg.paused else [m for m in eligible if m not in set(survivors)]
     roster = tuple((survivors + newcomers)[: cfg.max_np or None])
     broken = gen is not None and any(m in prev for m in snap.broken.get(gen.number, {}))
 
-    if cfg.paused:
+    if cfg.paused and gen is None:
         return Wait("paused")
     if len(roster) < cfg.min_np:
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
@@ -77,7 +79,7 @@ def plan_next_generation(
             return Wait("first generation: waiting for more peers",
                         snap.membership_changed_at + cfg.start_settle_s)
     elif roster == prev and not broken:
-        return Wait("roster unchanged")
+        return Wait("paused" if cfg.paused else "roster unchanged")
     elif not broken and not silent_now and quiet < cfg.settle_s:
         return Wait("settling", snap.membership_changed_at + cfg.settle_s)
 

@@ -35,20 +35,22 @@ class JobConfig(_message.Message):
     def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class RunRecord(_message.Message):
-    __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by")
+    __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by", "overridden")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDDEN_FIELD_NUMBER: _ClassVar[int]
     schema: int
     run_id: str
     config: JobConfig
     lease_id: int
     created_unix: float
     created_by: str
-    def __init__(self, schema: _Optional[int] = ..., run_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., lease_id: _Optional[int] = ..., created_unix: _Optional[float] = ..., created_by: _Optional[str] = ...) -> None: ...
+    overridden: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, schema: _Optional[int] = ..., run_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., lease_id: _Optional[int] = ..., created_unix: _Optional[float] = ..., created_by: _Optional[str] = ..., overridden: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemberRecord(_message.Message):
     __slots__ = ("schema", "member_id", "host", "address", "pid", "local_rank", "labels", "lease_id", "version", "started_unix")
@@ -82,7 +84,7 @@ class MemberRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed")
+    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed", "detected_unix")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     ROSTER_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class GenerationRecord(_message.Message):
     WRITTEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     schema: int
     number: int
     roster: _containers.RepeatedScalarFieldContainer[str]
@@ -101,7 +104,8 @@ class GenerationRecord(_message.Message):
     written_unix: float
     joined: _containers.RepeatedScalarFieldContainer[str]
     removed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+    detected_unix: float
+    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., detected_unix: _Optional[float] = ...) -> None: ...
 
 class AckRecord(_message.Message):
     __slots__ = ("schema", "member_id", "generation", "unix", "detail")
