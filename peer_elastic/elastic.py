@@ -7,7 +7,7 @@ process group it reconfigures lives in :mod:`peer_elastic.torch.group`, the memb
 One pass of :meth:`Peer.run`::
 
     form the group of the newest generation listing us  (standbys wait here)
-    -> reset callbacks (they see the new world size)
+    -> reset callbacks on every rank (they see the new world size and may use collectives)
     -> agree on state: one all-reduce of (needs state?, commit id); roll back a commit
        that not every rank completed; sync from rank 0 when anyone needs state
     -> call the training function
@@ -188,8 +188,10 @@ class Peer:
                 self._group = self.groups.form(after)
                 formed_unix = time.time()
                 self._incarnation = self.coordinator.incarnation
-                if not first:
-                    state.on_reset()  # after the new group exists, before state is synced
+                # After the new group exists, before state is synced, on EVERY rank (joiners
+                # and the first generation included): callbacks may run collectives, such
+                # as rebuilding DDP, and all ranks must enter them together.
+                state.on_reset()
                 self._agree_and_sync(state)
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}

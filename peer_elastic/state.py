@@ -424,8 +424,9 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Called by the run loop once the new process group exists, before ``sync``:
-        ``reset()`` then the reset callbacks. Local only: joiners never call it."""
+        """Called by the run loop on every rank each time a process group forms (the first
+        one and joiners' included), before ``sync``: ``reset()`` then the reset callbacks.
+        Callbacks may run collectives (e.g. rebuild DDP): every rank enters them together."""
         self.reset()
         for cb in list(self._reset_callbacks):
             cb()

@@ -138,3 +138,19 @@ def test_reset_callbacks_see_world_size_and_reset_limit_stops_the_job(cluster: C
     assert a.wait(90) == 4  # EXIT_JOB_FAILED: systemd must not restart it
     assert "reset limit" in a.output() and "Traceback" not in a.output()
     assert c.wait(60) == 4
+
+
+def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluster) -> None:
+    # The README's recipe: DDP is rebuilt on each new group by a reset callback.
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2, WORKER_DDP=1)
+    a, b = cluster.start(2, **env)
+    a.wait_line("GEN")
+    wait_steps(a, 3)
+    (c,) = cluster.start(1, **env)  # join: everyone rebuilds DDP for world 3
+    c.wait_line("GEN", timeout=90)
+    wait_steps(c, 3)
+    b.signal(signal.SIGKILL)  # crash: rebuild for world 2, after a rollback
+    for p in (a, c):
+        assert p.wait(180) == 0, p.output()
+    r = result_of(a)
+    assert r["exact"] and r["identical"] and r["world"] == 2, r

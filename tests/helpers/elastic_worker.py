@@ -33,12 +33,29 @@ BS = int(os.environ.get("WORKER_BATCH", "4"))
 STEP_S = float(os.environ.get("WORKER_STEP_S", "0.02"))
 COMMIT_EVERY = int(os.environ.get("WORKER_COMMIT_EVERY", "2"))
 RESULT_PATH = os.environ.get("WORKER_RESULT")
+# WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
+# (the README's recipe), instead of pe.DistributedOptimizer.
+USE_DDP = os.environ.get("WORKER_DDP") == "1"
 
 
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.counts = nn.Parameter(torch.zeros(N, dtype=torch.float64))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.counts[idx]
+
+
+class Both(nn.Module):
+    """The two models behind one forward, so DDP sees every parameter used."""
+
+    def __init__(self, counter: Counter, net: nn.Module) -> None:
+        super().__init__()
+        self.counter, self.net = counter, net
+
+    def forward(self, idx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.counter(idx), self.net(x)
 
 
 def digest(state: pe.TorchState) -> str:
@@ -63,16 +80,23 @@ def main() -> int:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False)
         counter = Counter()
         net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        state = pe.TorchState(
-            model=counter,
-            optimizer=pe.DistributedOptimizer(torch.optim.SGD(counter.parameters(), lr=1.0)),
-            net=net,
-            adam=pe.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=1e-2)),
-            sampler=sampler,
-            epoch=0,
-        )
+        sgd = torch.optim.SGD(counter.parameters(), lr=1.0)
+        adam = torch.optim.Adam(net.parameters(), lr=1e-2)
+        if not USE_DDP:
+            sgd, adam = pe.DistributedOptimizer(sgd), pe.DistributedOptimizer(adam)
+        state = pe.TorchState(model=counter, optimizer=sgd, net=net, adam=adam, sampler=sampler,
+                              epoch=0)
         seen_sizes: list[int] = []
-        state.register_reset_callbacks([lambda: seen_sizes.append(dist.get_world_size())])
+        holder: dict[str, nn.Module] = {}
+
+        def rebuild_ddp() -> None:
+            # Each generation has a new process group: DDP must be rebuilt on it.
+            holder["ddp"] = nn.parallel.DistributedDataParallel(Both(counter, net))
+
+        callbacks = [lambda: seen_sizes.append(dist.get_world_size())]
+        if USE_DDP:
+            callbacks.append(rebuild_ddp)
+        state.register_reset_callbacks(callbacks)
 
         def train(state: pe.TorchState) -> dict:
             world = dist.get_world_size()
@@ -85,9 +109,13 @@ def main() -> int:
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
-                    loss = -(world * state.model.counts[idx]).sum()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
-                    loss2 = ((state.net(x) - 0.5) ** 2).sum() * (len(idx) > 0)
+                    if USE_DDP:
+                        counts, y = holder["ddp"](idx, x)
+                    else:
+                        counts, y = state.model(idx), state.net(x)
+                    loss = -(world * counts).sum()
+                    loss2 = ((y - 0.5) ** 2).sum() * (len(idx) > 0)
                     (loss + loss2).backward()
                     state.optimizer.step()
                     state.adam.step()
@@ -109,7 +137,7 @@ def main() -> int:
                 "min": float(counts.min()), "max": float(counts.max()),
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
-                "reset_sizes": seen_sizes,
+                "reset_sizes": seen_sizes,  # one per formed group, the first included
             }
 
         result = peer.run(train, state)
