@@ -13,12 +13,13 @@ keep working, and its ``state_dict()`` is unchanged.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from peer_elastic.state import _plan_buckets
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -41,36 +42,23 @@ class _Averaging:
                 # Every rank must reduce the same tensors; a rank that produced no gradient
                 # for a parameter contributes zeros.
                 p.grad = torch.zeros_like(p)
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-        for p in params:
-            groups[(p.grad.dtype, p.grad.device)].append(p.grad)
-        for grads in groups.values():
-            for bucket in _buckets(grads, self._pe_bucket_bytes):
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                flat.div_(world)
-                for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    g.copy_(avg)
+        grads = [p.grad for p in params]
+        # The same bucket plan state sync uses: by dtype and device, in parameter order, so
+        # every rank reduces the same buckets.
+        for bucket in _plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM)  # large: in place
+                bucket[0].div_(world)
+                continue
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(world)
+            for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                g.copy_(avg)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
         return super().step(closure)  # type: ignore[misc]
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    cur: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(t)
-        size += nbytes
-    if cur:
-        out.append(cur)
-    return out
 
 
 _CLASSES: dict[type, type] = {}

@@ -11,7 +11,7 @@ from torch import nn
 from peer_elastic.elastic import agree_and_sync
 from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import TorchState
-from tests.test_state import _run_world
+from tests.helpers.world import run_world as _run_world
 
 
 def _state(rank: int) -> TorchState:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import io
 import math
-import multiprocessing as mp
 import random
-import time
 from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -281,41 +278,7 @@ def test_torch_state_commit_restore_and_on_reset_repartition() -> None:
 
 # --- real processes: the all-reduce merge and sync ---------------------------------------------
 
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "peer_elastic.state"])
-
-
-def _entry(fn, rank: int, world: int, port: int, outdir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
-        fn(rank, world, Path(outdir))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_world(fn, world: int, outdir: Path, timeout: float = 60.0) -> None:
-    """Run ``fn(rank, world, outdir)`` in ``world`` fresh processes on one gloo group."""
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    procs = [
-        _CTX.Process(target=_entry, args=(fn, r, world, store.port, str(outdir)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(5)
-    assert not hung, f"{len(hung)} worker(s) still running after {timeout}s"
-    assert [p.exitcode for p in procs] == [0] * world
+from tests.helpers.world import run_world as _run_world  # noqa: E402
 
 
 def _merge_worker(rank: int, world: int, outdir: Path) -> None:

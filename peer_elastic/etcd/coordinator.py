@@ -126,8 +126,7 @@ class Coordinator:
         self.member_id = ""
         self.incarnation = 0  # bumped each time this peer (re-)registers
         self._session: Session | None = None
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards _session / member_id / error across threads
         self._acked: set[int] = set()
         self._gen_seen_at: dict[int, float] = {}
         self._departure_seq = 0
@@ -286,7 +285,6 @@ class Coordinator:
                 return
             log.warning("member %s lost its lease: %s", self.member_id, why)
             self._lost_lease.set()
-            self._changed.notify_all()
         self.view.wake()
 
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
@@ -299,7 +297,6 @@ class Coordinator:
             if self.error is None:
                 self.error = err
                 log.error("%s", err)
-            self._changed.notify_all()
         self.view.wake()
 
     # -- reading (no etcd I/O) --------------------------------------------------------------------
@@ -475,11 +472,10 @@ class Coordinator:
             return None
         snap = self.snapshot()
         if snap.done is not None:
-            with self._lock:
-                self._changed.notify_all()
-            return None
+            return None  # waiters see it in the snapshot
         if snap.run is None or self.run is None or snap.run.run_id != self.run.run_id:
-            if snap.revision >= self.view.watch.revision and self.run is not None:
+            # We keep the run lease alive, so the run only goes if that failed for good.
+            if self.run is not None:
                 raise PeerElasticError(f"run {self.run.run_id} of job {self.job!r} disappeared")
             return None
         if self.member_id in snap.members:
@@ -518,8 +514,6 @@ class Coordinator:
         self._register()
         self.stats["rejoins"] += 1
         log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
-        with self._lock:
-            self._changed.notify_all()
 
     # -- leader duties ----------------------------------------------------------------------------
 
