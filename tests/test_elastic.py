@@ -154,3 +154,7 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
         assert p.wait(180) == 0, p.output()
     r = result_of(a)
     assert r["exact"] and r["identical"] and r["world"] == 2, r
+    # A peer started after the job finished says so and exits 0.
+    (late,) = cluster.start(1, **env)
+    assert late.wait(60) == 0, late.output()
+    assert "already finished successfully" in late.output()

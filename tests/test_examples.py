@@ -96,3 +96,25 @@ def test_cli_bad_input_gives_one_clear_line(args, code, text, etcd: str) -> None
     r = run([sys.executable, "-m", "peer_elastic.cli", *args], timeout=60)
     assert r.returncode == code, (r.returncode, r.stderr)
     assert text in r.stderr and "Traceback" not in r.stderr
+
+
+def test_etcd_command_serves_until_interrupted(tmp_path: Path) -> None:
+    import signal
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "peer_elastic.cli", "etcd", "--data-dir",
+                             str(tmp_path / "data"), "--port", str(port)], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert f"127.0.0.1:{port}" in proc.stderr.readline()  # printed once it is healthy
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert b'"health":"true"' in r.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        time.sleep(0.2)
+        assert (tmp_path / "data").exists()  # the data dir is the user's: kept
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
