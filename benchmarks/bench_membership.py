@@ -199,19 +199,7 @@ class Worker:
         self.settings = JobSettings(**settings)
         self.coords: dict[str, Coordinator] = {}
         self.closed_stats: dict[str, int] = {}
-        # Workaround: with a shared LeaseKeeper, Coordinator.close() of ONE member calls
-        # keeper.forget(run lease), which stops the run-lease refresh for every member of
-        # this process; once each worker had a leave, the run lease expires after run_ttl
-        # and every member fails with "run ... disappeared". Members in separate processes
-        # do not share keepers, so the benchmark keeps the run lease while members remain.
         self.run_lease = 0
-        forget = self.keeper.forget
-
-        def forget_unless_run(lease_id: int) -> None:
-            if lease_id != self.run_lease or not self.coords:
-                forget(lease_id)
-
-        self.keeper.forget = forget_unless_run  # type: ignore[method-assign]
 
     def join(self, k: int) -> list[dict[str, Any]]:
         out = []
