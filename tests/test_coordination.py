@@ -123,6 +123,7 @@ def test_oldest_member_leads_and_ranks_agree_across_joins_and_leaves(peers: Peer
 
     a.close()  # the leader leaves: b is now the oldest and takes over
     gen, numbers = wait_gen([b, c], lambda g: a.member_id not in g.roster)
+    assert b.snapshot().departures[-1].graceful  # a deliberate exit, not a failure
     assert list(gen.roster) == [b.member_id, c.member_id]
     assert b.is_leader and gen.written_by == b.member_id
     assert not gen.needs_sync  # removals only
@@ -165,8 +166,10 @@ def test_silent_member_is_dropped_after_join_timeout_before_its_ttl(peers: Peers
     gen2, _ = wait_gen([a], lambda g: victim not in g.roster, timeout=10)
     took = time.monotonic() - t0
     assert "dropped" in gen2.reason and took < 10  # far below the 30 s TTL
-    # Its lease was revoked by the writer, so its key goes away long before the TTL.
+    # Its key went with the new generation (its lease is revoked too), long before the TTL...
     assert a.view.wait_for(lambda s: victim not in s.members, 10) is not None
+    # ... and the leader does not re-admit it as a newcomer in the meantime.
+    assert a.view.wait_for(lambda s: s.generation_number > gen2.number, 1.5) is None
     # Its lease was revoked: on SIGCONT it notices, re-registers as a new member and joins.
     os.kill(proc.pid, signal.SIGCONT)
     new_id = read_line(proc, "REJOINED").split()[1]

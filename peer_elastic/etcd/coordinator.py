@@ -423,11 +423,29 @@ class Coordinator:
             self._thread.join(timeout=10)
         if self._session is not None:
             if leave and not self._lost_lease.is_set() and self.snapshot().done is None:
-                self._event("left")
+                self._mark_leaving()
             self._session.close(revoke=leave)
         if self.run is not None and self._keeper is not None:
             self._keeper.forget(self.run.lease_id, self._on_run_lease_lost)
         self._shutdown_threads()
+
+    def _mark_leaving(self) -> None:
+        """A deliberate exit is a graceful departure, not a failure: write our drain record
+        (with the "left" event) before the lease goes, so the leader does not count it
+        towards the blacklist or log it as expired."""
+        if self.keys is None or self.run is None:
+            return
+        rec = DrainRecord(member_id=self.member_id, requested_by=self.member_id, unix=time.time())
+        event = EventRecord(kind="left", member_id=self.member_id, unix=time.time(),
+                            generation=self.snapshot().generation_number)
+        try:
+            self.client.txn([], [
+                Txn.put(self.keys.drain(self.member_id), encode(rec), self.run.lease_id),
+                Txn.put(self.keys.event(f"{time.time_ns():020d}-{self.member_id}"),
+                        encode(event), self.run.lease_id),
+            ])
+        except EtcdError as exc:
+            log.debug("could not mark %s as leaving: %s", self.member_id, exc)
 
     def _shutdown_threads(self) -> None:
         if self._own_keeper and self._keeper is not None:
@@ -587,7 +605,13 @@ class Coordinator:
         ]
         if plan.number >= 3:  # two behind: nobody can still be forming it
             ops.append(Txn.delete(keys.gen_prefix(plan.number - 2), prefix=True))
-        ops += [Txn.delete(keys.drain(m)) for m in snap.drains if m not in snap.members]
+        # Dropped members' keys go in the same transaction: were they to outlive the new
+        # generation by even one event, the next pass would see a live member outside the
+        # roster and re-admit it as a newcomer. (Their leases are revoked right after.)
+        ops += [Txn.delete(keys.member(m)) for m in plan.dropped]
+        # Drain records of members already gone (bounded: etcd allows 128 ops per txn).
+        ops += [Txn.delete(keys.drain(m)) for m in sorted(snap.drains)
+                if m not in snap.members][:20]
         ok = self.client.compare_and_put(
             keys.generation, encode(rec), snap.generation_mod_revision, run_lease,
             extra_compare=guards, extra_ops=ops,

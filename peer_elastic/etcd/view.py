@@ -317,8 +317,12 @@ class JobView:
             return  # torch Store traffic: not part of the picture
         elif head == "drain" and len(path) == 2:
             decode(DrainRecord, kv.value, kv.key)
+            if path[1] not in st.drains:
+                self._membership_changed_at = time.monotonic()  # eligibility changed
             st.drains.add(path[1])
         elif head == "blacklist" and len(path) == 2:
+            if path[1] not in st.blacklist:
+                self._membership_changed_at = time.monotonic()
             st.blacklist[path[1]] = decode(HostRecord, kv.value, kv.key)
         elif head == "failures" and len(path) == 2:
             st.failures[path[1]] = (decode(HostRecord, kv.value, kv.key), kv.mod_revision)
@@ -367,7 +371,8 @@ class JobView:
         elif head == "drain" and len(path) == 2:
             st.drains.discard(path[1])
         elif head == "blacklist" and len(path) == 2:
-            st.blacklist.pop(path[1], None)
+            if st.blacklist.pop(path[1], None) is not None:
+                self._membership_changed_at = time.monotonic()  # the host is eligible again
         elif head == "failures" and len(path) == 2:
             st.failures.pop(path[1], None)
         elif head == "progress":
