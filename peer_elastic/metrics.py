@@ -18,8 +18,10 @@ training hot path then runs exactly the code it runs without this module.
 What is measured (see ``docs/metrics.md``):
 
 * gauges read live at scrape time from the peer: ``peer_elastic_generation``,
-  ``peer_elastic_world_size``, ``peer_elastic_rank`` (-1 while standby or between groups),
-  ``peer_elastic_is_leader``, ``peer_elastic_min_np``, ``peer_elastic_max_np``;
+  ``peer_elastic_world_size``, ``peer_elastic_rank`` (the group it last formed; -1 / 0 while
+  a standby), ``peer_elastic_is_leader``, and from its watched view of etcd (no I/O)
+  ``peer_elastic_latest_generation``, ``peer_elastic_members``, ``peer_elastic_min_np``,
+  ``peer_elastic_max_np``; ``Coordinator.stats`` as ``peer_elastic_coordinator_*_total``;
 * ``peer_elastic_resets_total{reason}``: resets this peer went through (the first group it
   joins is not a reset, as for ``Peer.resets``), by a bounded set of reasons
   (:data:`REASONS`); ``peer_elastic_last_recovery_seconds``;
@@ -37,7 +39,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
@@ -80,6 +82,11 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 #: prometheus_client's start_http_server returns (server, thread) from this version on;
 #: before it returned None, so port 0 cannot be read back and is picked beforehand.
 _RETURNS_SERVER_SINCE = (0, 20)
+
+
+def _env(name: str, env: Mapping[str, str] | None = None) -> str:
+    """``env[name]`` (default: the process environment), stripped; "" when unset."""
+    return ((os.environ if env is None else env).get(name) or "").strip()
 
 
 def prometheus_available() -> bool:
@@ -154,6 +161,44 @@ def _safe(read: Callable[[], Any], default: float = math.nan) -> Callable[[], fl
     return value
 
 
+def _number(gen: Any) -> float:
+    return float(gen.number) if gen is not None else 0.0
+
+
+class _CoordinatorStats:
+    """``Coordinator.stats`` as counters, read at scrape time:
+    ``peer_elastic_coordinator_<name>_total`` (generations_written, cas_lost, rejoins,
+    dropped: what this peer's coordination thread did)."""
+
+    HELP = {
+        "generations_written": "Generations this peer wrote as leader",
+        "cas_lost": "Generation writes this peer lost to a concurrent leader (compare-and-swap)",
+        "rejoins": "Times this peer re-registered after losing its lease",
+        "dropped": "Silent members this peer dropped as leader (no ack within join_timeout)",
+    }
+
+    def __init__(self, coord: Any) -> None:
+        self._coord = coord
+
+    def describe(self) -> list[Any]:
+        return list(self._families({}))
+
+    def collect(self) -> list[Any]:
+        try:
+            stats = dict(self._coord.stats)
+        except Exception:
+            stats = {}
+        return list(self._families(stats))
+
+    def _families(self, stats: dict[str, Any]) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, help_text in self.HELP.items():
+            value = stats.get(name, 0)
+            yield CounterMetricFamily(f"peer_elastic_coordinator_{name}", help_text,
+                                      value=float(value) if isinstance(value, (int, float)) else 0.0)
+
+
 class NoopMetrics:
     """What :meth:`PeerMetrics.create` returns when metrics are off or unavailable.
 
@@ -216,15 +261,23 @@ class PeerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.generation = Gauge("peer_elastic_generation",
-                                "Generation of the group this peer trains in (0: none yet)",
+                                "Generation of the group this peer last formed (0: none yet)",
                                 registry=r)
         self.world_size = Gauge("peer_elastic_world_size",
-                                "Ranks in this peer's current group (0: standby or forming)",
+                                "Ranks in the group this peer last formed (0: standby, none yet)",
                                 registry=r)
         self.rank = Gauge("peer_elastic_rank",
-                          "This peer's rank in its group (-1: standby or forming)", registry=r)
+                          "This peer's rank in the group it last formed (-1: standby, none yet)",
+                          registry=r)
         self.is_leader = Gauge("peer_elastic_is_leader",
                                "1 if this peer leads the job (writes generations)", registry=r)
+        self.latest_generation = Gauge("peer_elastic_latest_generation",
+                                       "Newest generation written for the job, as this peer "
+                                       "sees it (above peer_elastic_generation: resetting)",
+                                       registry=r)
+        self.members = Gauge("peer_elastic_members",
+                             "Live, eligible members of the job, as this peer sees them "
+                             "(standbys included)", registry=r)
         self.min_np = Gauge("peer_elastic_min_np", "The job's min_np setting", registry=r)
         self.max_np = Gauge("peer_elastic_max_np",
                             "The job's max_np setting (0: unlimited)", registry=r)
@@ -252,6 +305,7 @@ class PeerMetrics:
         self._server: Any = None
         self._thread: Any = None
         self._peer: Any = None
+        self._stats: _CoordinatorStats | None = None
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -270,7 +324,7 @@ class PeerMetrics:
 
     @classmethod
     def from_env(cls, *, local_rank: int = 0, host: str | None = None,
-                 env: dict[str, str] | None = None) -> PeerMetrics | NoopMetrics:
+                 env: Mapping[str, str] | None = None) -> PeerMetrics | NoopMetrics:
         """Metrics as ``PEER_ELASTIC_METRICS_PORT`` / ``_ADDR`` ask, already serving.
 
         Unset port: a :class:`NoopMetrics`. Port 0: any free port. Any other port ``p``:
@@ -278,8 +332,7 @@ class PeerMetrics:
         run``) sharing one environment get distinct, predictable ports. When the port
         cannot be bound, training goes on without metrics (logged as an error).
         """
-        env = os.environ if env is None else env
-        raw = (env.get(ENV_PORT) or "").strip()
+        raw = _env("PEER_ELASTIC_METRICS_PORT", env)
         if not raw:
             return NoopMetrics()
         try:
@@ -292,7 +345,7 @@ class PeerMetrics:
             port += local_rank
             if port > 65535:
                 raise ConfigError(f"{ENV_PORT}={raw} + local rank {local_rank} is past 65535")
-        addr = (env.get(ENV_ADDR) or "").strip() or DEFAULT_ADDR
+        addr = _env("PEER_ELASTIC_METRICS_ADDR", env) or DEFAULT_ADDR
         metrics = cls.create()
         if not metrics.enabled:
             return metrics
@@ -318,6 +371,8 @@ class PeerMetrics:
         self.is_leader.set_function(_safe(lambda: peer.is_leader, 0.0))
         coord = getattr(peer, "coordinator", None)
         if coord is not None:
+            self.latest_generation.set_function(_safe(lambda: _number(coord.latest_generation)))
+            self.members.set_function(_safe(lambda: len(coord.snapshot().eligible())))
             self.min_np.set_function(_safe(lambda: coord.config.min_np))
             self.max_np.set_function(_safe(lambda: coord.config.max_np))
             from peer_elastic import __version__
@@ -325,6 +380,9 @@ class PeerMetrics:
             self.info.info({"elastic_job": str(getattr(coord, "job", "")),
                             "host": str(getattr(coord, "host", "")),
                             "version": __version__})
+            if isinstance(getattr(coord, "stats", None), dict) and self._stats is None:
+                self._stats = _CoordinatorStats(coord)
+                self.registry.register(self._stats)
 
     def record_reset(self, reason: str, seconds: float, *, crashed: bool = False,
                      lease_lost: bool = False) -> str:

@@ -35,8 +35,12 @@ def sample(m: pm.PeerMetrics, name: str, **labels: str) -> float | None:
 
 
 def fake_peer(**kw: Any) -> SimpleNamespace:
-    coord = SimpleNamespace(job="jobA", host="hostA",
-                            config=SimpleNamespace(min_np=2, max_np=4))
+    snap = SimpleNamespace(eligible=lambda: ("m1", "m2", "m3"))
+    coord = SimpleNamespace(job="jobA", host="hostA", config=SimpleNamespace(min_np=2, max_np=4),
+                            latest_generation=SimpleNamespace(number=3),
+                            snapshot=lambda: snap,
+                            stats={"generations_written": 2, "cas_lost": 0, "rejoins": 1,
+                                   "dropped": 0})
     values = {"generation": 3, "size": 2, "rank": 1, "is_leader": False,
               "coordinator": coord}
     values.update(kw)
@@ -143,15 +147,26 @@ def test_gauges_read_the_peer_live() -> None:
     assert sample(m, "peer_elastic_is_leader") == 0
     assert sample(m, "peer_elastic_min_np") == 2
     assert sample(m, "peer_elastic_max_np") == 4
+    assert sample(m, "peer_elastic_latest_generation") == 3
+    assert sample(m, "peer_elastic_members") == 3
+    assert sample(m, "peer_elastic_coordinator_generations_written_total") == 2
+    assert sample(m, "peer_elastic_coordinator_rejoins_total") == 1
+    assert sample(m, "peer_elastic_coordinator_dropped_total") == 0
     assert sample(m, "peer_elastic_info", elastic_job="jobA", host="hostA",
                   version=__import__("peer_elastic").__version__) == 1
     peer.generation, peer.size, peer.rank, peer.is_leader = 4, 3, 0, True
     peer.coordinator.config.max_np = 8
+    peer.coordinator.latest_generation = SimpleNamespace(number=5)  # a reset under way
+    peer.coordinator.stats["rejoins"] += 1
     assert sample(m, "peer_elastic_generation") == 4
     assert sample(m, "peer_elastic_world_size") == 3
     assert sample(m, "peer_elastic_rank") == 0
     assert sample(m, "peer_elastic_is_leader") == 1
     assert sample(m, "peer_elastic_max_np") == 8
+    assert sample(m, "peer_elastic_latest_generation") == 5
+    assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
+    m.bind(peer)  # binding again (a new run) registers nothing twice
+    assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
     peer.generation, peer.size, peer.rank = 4, 0, -1  # standby
     assert sample(m, "peer_elastic_rank") == -1
 
@@ -398,6 +413,10 @@ WORKER = textwrap.dedent("""
             out["port"] = peer.metrics.port
             members = peer.coordinator.snapshot().by_age
             out["published"] = [m.record.address for m in members if m.id == peer.member_id]
+            from peer_elastic.cli import job_status
+
+            doc = job_status(peer.coordinator.client, sys.argv[1])
+            out["status"] = [m.get("address") for m in doc["members"]]
             return state.step
 
         out["result"] = peer.run(train, state)
@@ -423,11 +442,15 @@ def test_single_peer_job_is_scraped_end_to_end(etcd: str, unique_job: str, tmp_p
     assert out["result"] == 5 and out["resets"] == 0
     assert out["address"] == f"127.0.0.1:{out['port']}"
     assert out["published"] == [out["address"]]  # in the member record, for `status`
+    assert out["status"] in ([out["address"]], [None])  # [None]: status does not show it yet
     values = parse(out["text"])
     assert values[("peer_elastic_generation", ())] == 1
     assert values[("peer_elastic_world_size", ())] == 1
     assert values[("peer_elastic_rank", ())] == 0
     assert values[("peer_elastic_is_leader", ())] == 1
+    assert values[("peer_elastic_latest_generation", ())] == 1
+    assert values[("peer_elastic_members", ())] == 1
+    assert values[("peer_elastic_coordinator_generations_written_total", ())] == 1
     assert values[("peer_elastic_commit_seconds_count", ())] == 5
     assert values[("peer_elastic_check_seconds_count", ())] == 6
     assert sum(v for (name, _), v in values.items() if name == "peer_elastic_resets_total") == 0

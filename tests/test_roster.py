@@ -97,3 +97,12 @@ def test_paused_job_forms_nothing() -> None:
     c = cfg()
     c.paused = True
     assert isinstance(plan_next_generation(snap(["a-1"]), c, set(), 100), Wait)
+
+
+def test_silence_is_not_counted_while_etcd_was_disrupted() -> None:
+    s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1"])
+    # Seen at 90, now 100: b is silent, unless etcd was disrupted (an election, a failing
+    # request) until 99.5, in which case b gets join_timeout from then.
+    assert silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0) == {"b-1"}
+    assert silent_members(s, 90.0, 1.0, 100.0, settled_at=99.5) == set()
+    assert silent_members(s, 90.0, 1.0, 100.6, settled_at=99.5) == {"b-1"}

@@ -316,6 +316,11 @@ class EtcdClient:
         self._raw = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._auth_lock = threading.Lock()
         self._closed = False
+        #: time.monotonic() of the last sign of etcd trouble: a transient failure of one of
+        #: our requests, or a new raft term (a leader election) in a response header. While
+        #: etcd is disrupted, other members' requests may stall for a full timeout.
+        self.disrupted_at = 0.0
+        self._raft_term = 0
         if user is not None:
             self._call(self._authenticate, "authenticate")
 
@@ -334,6 +339,14 @@ class EtcdClient:
             # Watchers capture metadata when built; drop them so new ones see the token.
             self._raw._clear_old_stubs()
 
+    def note_header(self, header: Any) -> None:
+        """Track the raft term of responses: a change means etcd elected a new leader."""
+        term = getattr(header, "raft_term", 0)
+        if term and term != self._raft_term:
+            if self._raft_term:
+                self.disrupted_at = time.monotonic()
+            self._raft_term = term
+
     def _call(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors; map every failure to our types."""
         budget = self.retry_budget_s if budget_s is None else budget_s
@@ -345,6 +358,8 @@ class EtcdClient:
                 return fn()
             except BaseException as exc:
                 last[:] = [exc]
+                if is_transient(exc):
+                    self.disrupted_at = time.monotonic()
                 if _is_token_expired(exc) and self._user is not None:
                     self._authenticate()
                     raise _Retry() from exc
@@ -377,6 +392,7 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         def do() -> KeyValue | None:
             resp = self._raw.get_response(key)
+            self.note_header(resp.header)
             return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
 
         return self._call(do, f"get {key}")
@@ -386,6 +402,7 @@ class EtcdClient:
 
         def do() -> tuple[list[KeyValue], int]:
             resp = self._raw.get_prefix_response(prefix)
+            self.note_header(resp.header)
             return [KeyValue.from_pb(kv) for kv in resp.kvs], resp.header.revision
 
         return self._call(do, f"get prefix {prefix}")
@@ -394,7 +411,9 @@ class EtcdClient:
         """Store ``value``; returns the revision of the write."""
 
         def do() -> int:
-            return self._raw.put(key, value, lease=lease).header.revision
+            header = self._raw.put(key, value, lease=lease).header
+            self.note_header(header)
+            return header.revision
 
         return self._call(do, f"put {key}")
 
@@ -476,6 +495,7 @@ class EtcdClient:
             responses = list(self._raw.refresh_lease(lease_id))
             if not responses:
                 raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
+            self.note_header(responses[-1].header)
             return responses[-1].TTL
 
         what = f"keep lease {lease_id:x} alive"
@@ -527,6 +547,7 @@ class EtcdClient:
                     err = map_error(resp, f"watch {prefix}")
                 on_error(err)
                 return
+            self.note_header(resp.header)
             events = []
             for ev in resp.events:
                 kind = "put" if isinstance(ev, etcd3.events.PutEvent) else "delete"

@@ -541,7 +541,7 @@ class Coordinator:
         self._check_elastic_timeout(len(eligible), cfg, now)
         gen = snap.generation
         silent = silent_members(snap, self._gen_seen_at.get(gen.number) if gen else None,
-                                cfg.join_timeout_s, now)
+                                cfg.join_timeout_s, now, self._etcd_settled_at())
         # The writer is the oldest eligible member that is not itself silent, so a silent
         # leader is replaced by the next-oldest.
         writer = next((m.id for m in eligible if m.id not in silent), None)
@@ -557,7 +557,7 @@ class Coordinator:
             pending = set(gen.roster) - snap.ready_for(gen.number)
             if seen is not None and pending:
                 # Look again when silence would start (see silent_members).
-                return max(seen, snap.connected_at) + cfg.join_timeout_s
+                return max(seen, snap.connected_at, self._etcd_settled_at()) + cfg.join_timeout_s
             return None
         if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:
             self._write_done(False, f"reset limit exceeded: {plan.number - 1} resets > "
@@ -565,6 +565,13 @@ class Coordinator:
             return None
         self._write_generation(snap, plan)
         return None
+
+    def _etcd_settled_at(self) -> float:
+        """When etcd may be taken as settled again after the last disruption we saw: a
+        member whose request stalled on the disruption has failed over by then."""
+        if not self.client.disrupted_at:
+            return 0.0
+        return self.client.disrupted_at + 2 * self.client.timeout_s
 
     def _check_elastic_timeout(self, available: int, cfg: JobConfig, now: float) -> None:
         if available >= cfg.min_np:

@@ -113,16 +113,18 @@ def plan_next_generation(
 
 
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
-                   now: float) -> set[str]:
+                   now: float, settled_at: float = 0.0) -> set[str]:
     """Roster members of the current generation with no ack ``join_timeout`` after it appeared.
 
-    The clock starts no earlier than the view's last (re)connection to etcd: while etcd was
-    unreachable nobody could ack, and an outage must not make healthy members look silent.
+    The clock starts no earlier than the view's last (re)connection to etcd, nor than
+    ``settled_at`` (when etcd was last seen disrupted, plus the time a stalled request needs
+    to fail over): while etcd is unreachable or electing a leader, healthy members cannot
+    ack, and that must not make them look silent.
     """
     gen = snap.generation
     if gen is None or seen_at is None:
         return set()
-    if now - max(seen_at, snap.connected_at) < join_timeout_s:
+    if now - max(seen_at, snap.connected_at, settled_at) < join_timeout_s:
         return set()
     acked = snap.ready_for(gen.number)
     return {m for m in gen.roster if m not in acked and m in snap.members}
