@@ -9,8 +9,8 @@ Systems:
 
 * ``peer-elastic``: 3 peers (``recovery_worker.py``) meeting in an etcd that this script
   starts on loopback; every peer-elastic timing setting at its default
-  (``min_np=2``, ``max_np=4`` are the job's shape). ``peer-elastic-tuned`` (not run unless
-  named) adds ``lease_ttl_s=2``, ``join_timeout_s=0.5``.
+  (``min_np=2``, ``max_np=4`` are the job's shape). ``peer-elastic-tuned``: the same with
+  ``lease_ttl_s=2``, ``join_timeout_s=0.5``.
 * ``torchrun-tuned`` / ``torchrun-default``: one torchrun agent per member
   (``--nnodes=2:3``, ``3:4`` for the join scenario, ``--nproc-per-node=1``, c10d rendezvous
   on ``127.0.0.1:<free port>``, ``--max-restarts=10``), running ``torchrun_worker.py``
@@ -52,7 +52,7 @@ Measured per scenario, from the lines the workers print (``STEP <step> <unix tim
 
 Usage::
 
-    python benchmarks/bench_recovery.py --out results.json           # everything (~10 min)
+    python benchmarks/bench_recovery.py --out results.json           # everything (~7-9 min)
     python benchmarks/bench_recovery.py --quick --out quick.json     # peer-elastic + tuned
     python benchmarks/bench_recovery.py --systems peer-elastic --scenarios kill-leader
 """
@@ -83,8 +83,8 @@ PE_WORKER = HERE / "recovery_worker.py"
 TR_WORKER = HERE / "torchrun_worker.py"
 
 SCENARIOS = ("kill-worker", "kill-leader", "sigterm", "join")
-SYSTEMS = ("peer-elastic", "torchrun-tuned", "torchrun-default")
-ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-tuned")
+SYSTEMS = ("peer-elastic", "peer-elastic-tuned", "torchrun-tuned", "torchrun-default")
+ALL_SYSTEMS = SYSTEMS
 QUICK_SCENARIOS = ("kill-worker", "sigterm", "join")
 QUICK_SYSTEMS = ("peer-elastic", "torchrun-tuned")
 
@@ -661,6 +661,31 @@ def table(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str],
     return "\n".join(lines)
 
 
+def details(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str],
+            systems: list[str]) -> str:
+    """Every measured number per (system, scenario): medians, and the worst run."""
+    cols = ["system", "scenario", "runs", "all (s)", "worst (s)", "first (s)", "stall (s)",
+            "re-done", "step (ms)"]
+    rows = []
+    for sy in systems:
+        for sc in scenarios:
+            s = results.get(sy, {}).get(sc)
+            if s is None:
+                continue
+            if "recovery_all_s" not in s:
+                rows.append([sy, sc, f"{s['n_ok']}/{s['n']}", cell(s), "", "", "", "", ""])
+                continue
+            rows.append([sy, sc, f"{s['n_ok']}/{s['n']}", f"{s['recovery_all_s']:.3f}",
+                         f"{s['recovery_all_s_max']:.3f}", f"{s['recovery_first_s']:.3f}",
+                         f"{s['stall_s']:.3f}", str(s["redone_steps"]),
+                         f"{s['step_s'] * 1000:.1f}" if s.get("step_s") else "-"])
+    widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
+    lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))
+             for r in [cols, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str]) -> list[str]:
     """One line per target of the issue: met, missed, or not measured in this run."""
     out = []
@@ -686,7 +711,8 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str])
                 continue
             r = ratio(tr, s)
             if r is None and tr.get("job_ended"):
-                out.append(f"{sc}: >= {want:.0f}x {sy}: met (torchrun's job ended)")
+                out.append(f"{sc}: >= {want:.0f}x {sy}: met ({sy} never recovers: its job "
+                           f"ended)")
             elif r is not None:
                 out.append(f"{sc}: >= {want:.0f}x {sy}: {'met' if r >= want else 'MISSED'} "
                            f"({r:.1f}x)")
@@ -779,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(table(results, scenarios, systems))
+    print()
+    print(details(results, scenarios, systems))
     print()
     print("recovery = event -> every rank of the re-formed group completed a step (median of "
           "runs); re-done = steps trained again after the change")

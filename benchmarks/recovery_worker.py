@@ -91,7 +91,9 @@ def main() -> int:
     if os.environ.get("BENCH_LOG_LEVEL"):
         import logging
 
-        logging.basicConfig(level=os.environ["BENCH_LOG_LEVEL"].upper(), stream=sys.stdout,
+        level = os.environ["BENCH_LOG_LEVEL"].upper()
+        os.environ["PEER_ELASTIC_LOG_LEVEL"] = level  # pe.join() sets its logger's level
+        logging.basicConfig(level=level, stream=sys.stdout, force=True,
                             format="LOG %(created).6f %(threadName)s %(name)s: %(message)s")
     import torch.distributed as dist
 

@@ -177,6 +177,24 @@ def test_silent_member_is_dropped_after_join_timeout_before_its_ttl(peers: Peers
     wait_gen([a], lambda g: new_id in g.roster)
 
 
+def test_dead_leader_is_replaced_within_join_timeout_not_its_ttl(peers: Peers) -> None:
+    settings = dict(min_np=1, lease_ttl_s=30, join_timeout_s=1.0)
+    proc = peers.spawn(**settings)  # the oldest member: the leader
+    leader = read_line(proc, "MEMBER").split()[1]
+    read_line(proc, "GEN")
+    b, c = peers.start(2, **settings)
+    gen, _ = wait_gen([b, c], lambda g: len(g.roster) == 3)
+    assert list(gen.roster)[0] == leader
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    b.mark_broken(gen.number, "collective failed (test)")  # as the survivors' training would
+    gen2, _ = wait_gen([b, c], lambda g: leader not in g.roster, timeout=15)
+    took = time.monotonic() - t0
+    assert took < 5, f"took {took:.1f} s: waited for the lease, not for proof of life"
+    assert "dropped" in gen2.reason and list(gen2.roster) == [b.member_id, c.member_id]
+    assert gen2.written_by == b.member_id  # the next-oldest took over
+
+
 def test_racing_writers_exactly_one_generation_wins(peers: Peers) -> None:
     # A long settle_s: the real leader waits before acting on the joiner, so the test can
     # make both peers write the same next generation at once.

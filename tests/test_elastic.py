@@ -158,3 +158,14 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
     (late,) = cluster.start(1, **env)
     assert late.wait(60) == 0, late.output()
     assert "already finished successfully" in late.output()
+
+
+def test_sigterm_below_min_np_lets_the_leaver_go_and_the_rest_wait(cluster: Cluster) -> None:
+    env = dict(PEER_ELASTIC_MIN_NP=2, PEER_ELASTIC_ELASTIC_TIMEOUT=4, WORKER_EPOCHS=50)
+    a, b = cluster.start(2, **env)
+    a.wait_line("GEN")
+    wait_steps(a, 2)
+    b.signal(signal.SIGTERM)
+    assert b.wait(60) == 0, b.output()  # it leaves, although that breaks min_np
+    assert a.wait(60) == 4, a.output()  # the other waits, then fails on the elastic timeout
+    assert "elastic timeout" in a.output()

@@ -74,8 +74,8 @@ def test_silent_members_are_dropped_at_once() -> None:
     s = snap(["a-1", "b-1", "c-1"], gen=(2, ["a-1", "b-1", "c-1"]), ready=["a-1", "c-1"],
              changed_at=99.99)
     silent = silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0)
-    assert silent == {"b-1"}
-    assert silent_members(s, seen_at=99.5, join_timeout_s=1.0, now=100.0) == set()
+    assert silent == {"b-1": "ready"}
+    assert silent_members(s, seen_at=99.5, join_timeout_s=1.0, now=100.0) == {}
     p = plan_next_generation(s, cfg(), silent, 100.0)
     assert p.roster == ("a-1", "c-1") and p.dropped == ("b-1",) and "dropped" in p.reason
 
@@ -103,6 +103,33 @@ def test_silence_is_not_counted_while_etcd_was_disrupted() -> None:
     s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1"])
     # Seen at 90, now 100: b is silent, unless etcd was disrupted (an election, a failing
     # request) until 99.5, in which case b gets join_timeout from then.
-    assert silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0) == {"b-1"}
-    assert silent_members(s, 90.0, 1.0, 100.0, settled_at=99.5) == set()
-    assert silent_members(s, 90.0, 1.0, 100.6, settled_at=99.5) == {"b-1"}
+    assert silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0) == {"b-1": "ready"}
+    assert silent_members(s, 90.0, 1.0, 100.0, settled_at=99.5) == {}
+    assert silent_members(s, 90.0, 1.0, 100.6, settled_at=99.5) == {"b-1": "ready"}
+
+
+def test_a_dead_leader_is_found_by_its_missing_alive_ack() -> None:
+    # Everyone acked generation 3 long ago; then it broke (b's collective failed). The dead
+    # leader a never answers "alive": it is silent, and the next-oldest can drop it.
+    s = snap(["a-1", "b-1", "c-1"], gen=(3, ["a-1", "b-1", "c-1"]),
+             ready=["a-1", "b-1", "c-1"], broken=["b-1"])
+    s = ViewSnapshot(**{**s.__dict__, "alive": MappingProxyType({3: frozenset({"c-1"})})})
+    assert silent_members(s, 10.0, 1.0, 100.0, broken_seen_at=99.5) == {}
+    assert silent_members(s, 10.0, 1.0, 100.6, broken_seen_at=99.5) == {"a-1": "alive"}
+    p = plan_next_generation(s, cfg(), {"a-1": "alive"}, 100.6)
+    assert p.roster == ("b-1", "c-1") and p.dropped == ("a-1",)
+
+
+def test_departures_below_min_np_write_a_waiting_generation() -> None:
+    # b left (SIGTERM) from a 2-peer job with min_np=2: everyone stops, the leaver can go.
+    s = snap(["a-1"], gen=(4, ["a-1", "b-1"]))
+    p = plan_next_generation(s, cfg(min_np=2), {}, 100)
+    assert isinstance(p, GenerationPlan) and p.roster == () and p.number == 5
+    assert "waiting" in p.reason and p.removed == ("b-1",)
+    # From the waiting generation nothing more happens until enough peers are there ...
+    s = snap(["a-1"], gen=(5, []))
+    assert isinstance(plan_next_generation(s, cfg(min_np=2), {}, 100), Wait)
+    # ... and then everyone joins, the oldest (the state holder) first.
+    s = snap(["a-1", "c-1"], gen=(5, []))
+    p = plan_next_generation(s, cfg(min_np=2), {}, 100)
+    assert p.roster == ("a-1", "c-1") and p.needs_sync

@@ -128,7 +128,9 @@ class Coordinator:
         self._session: Session | None = None
         self._lock = threading.Lock()  # guards _session / member_id / error across threads
         self._acked: set[int] = set()
+        self._alive_acked: set[int] = set()
         self._gen_seen_at: dict[int, float] = {}
+        self._broken_seen_at: dict[int, float] = {}
         self._departure_seq = 0
         self._short_since: float | None = None
         self._seen_incarnation = -1  # last incarnation our own view has listed
@@ -511,16 +513,21 @@ class Coordinator:
             self._gen_seen_at.setdefault(gen.number, now)
             if self.member_id in gen.roster and gen.number not in self._acked:
                 self._ack(gen.number)
+            if snap.broken.get(gen.number):
+                self._broken_seen_at.setdefault(gen.number, now)
+                if self.member_id in gen.roster and gen.number not in self._alive_acked:
+                    self._ack(gen.number, alive=True)  # proof of life after the break
         if self.member_id in snap.drains:
             self.drain_requested.set()
         self.config = snap.run.config
         return self._lead(snap, now)
 
-    def _ack(self, n: int) -> None:
+    def _ack(self, n: int, alive: bool = False) -> None:
         assert self.keys is not None
         rec = AckRecord(member_id=self.member_id, generation=n, unix=time.time())
-        self.client.put(self.keys.ready(n, self.member_id), encode(rec), self.lease_id)
-        self._acked.add(n)
+        key = self.keys.alive(n, self.member_id) if alive else self.keys.ready(n, self.member_id)
+        self.client.put(key, encode(rec), self.lease_id)
+        (self._alive_acked if alive else self._acked).add(n)
 
     def _rejoin(self) -> None:
         old = self.member_id
@@ -529,6 +536,7 @@ class Coordinator:
         if not self.auto_rejoin:
             raise LeaseLost(f"member {old} lost its lease")
         self._acked.clear()
+        self._alive_acked.clear()
         self._register()
         self.stats["rejoins"] += 1
         log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
@@ -540,8 +548,9 @@ class Coordinator:
         eligible = snap.eligible()
         self._check_elastic_timeout(len(eligible), cfg, now)
         gen = snap.generation
-        silent = silent_members(snap, self._gen_seen_at.get(gen.number) if gen else None,
-                                cfg.join_timeout_s, now, self._etcd_settled_at())
+        n = gen.number if gen else 0
+        silent = silent_members(snap, self._gen_seen_at.get(n), cfg.join_timeout_s, now,
+                                self._etcd_settled_at(), self._broken_seen_at.get(n))
         # The writer is the oldest eligible member that is not itself silent, so a silent
         # leader is replaced by the next-oldest.
         writer = next((m.id for m in eligible if m.id not in silent), None)
@@ -553,17 +562,21 @@ class Coordinator:
         if isinstance(plan, Wait):
             if silent or gen is None or plan.until is not None:
                 return plan.until
+            # Look again when silence could start (see silent_members).
+            floor = max(snap.connected_at, self._etcd_settled_at())
+            deadlines = []
             seen = self._gen_seen_at.get(gen.number)
-            pending = set(gen.roster) - snap.ready_for(gen.number)
-            if seen is not None and pending:
-                # Look again when silence would start (see silent_members).
-                return max(seen, snap.connected_at, self._etcd_settled_at()) + cfg.join_timeout_s
-            return None
+            if seen is not None and set(gen.roster) - snap.ready_for(gen.number):
+                deadlines.append(max(seen, floor) + cfg.join_timeout_s)
+            broke = self._broken_seen_at.get(gen.number)
+            if broke is not None and set(gen.roster) - snap.alive_for(gen.number):
+                deadlines.append(max(broke, floor) + cfg.join_timeout_s)
+            return min(deadlines) if deadlines else None
         if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:
             self._write_done(False, f"reset limit exceeded: {plan.number - 1} resets > "
                                     f"reset_limit={cfg.reset_limit}")
             return None
-        self._write_generation(snap, plan)
+        self._write_generation(snap, plan, silent)
         return None
 
     def _etcd_settled_at(self) -> float:
@@ -590,7 +603,8 @@ class Coordinator:
                 "Start more peers, or lower min_np / raise PEER_ELASTIC_ELASTIC_TIMEOUT."
             )
 
-    def _write_generation(self, snap: ViewSnapshot, plan: GenerationPlan) -> None:
+    def _write_generation(self, snap: ViewSnapshot, plan: GenerationPlan,
+                          silent: Mapping[str, str] | None = None) -> None:
         assert self.keys is not None and self.run is not None
         keys, run_lease = self.keys, self.run.lease_id
         now_unix = time.time()
@@ -603,8 +617,11 @@ class Coordinator:
             needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=now_unix,
             joined=list(plan.joined), removed=list(plan.removed), detected_unix=detected,
         )
-        # Still absent acks of dropped members: if one arrives first, the drop is wrong.
-        guards = [Txn.version(keys.ready(plan.number - 1, m)) == 0 for m in plan.dropped]
+        # The ack each dropped member failed to give must still be absent: if it arrives
+        # first, the drop is wrong and the write fails.
+        n = plan.number - 1
+        guards = [Txn.version(keys.alive(n, m) if (silent or {}).get(m) == "alive"
+                              else keys.ready(n, m)) == 0 for m in plan.dropped]
         ops = [
             Txn.put(keys.event(f"{time.time_ns():020d}-{self.member_id}"), encode(EventRecord(
                 kind="generation", member_id=self.member_id, generation=plan.number,

@@ -6,6 +6,7 @@
 /peer-elastic/<job>/<run>/generation            GenerationRecord (run lease; CAS by the leader)
 /peer-elastic/<job>/<run>/gen/<n>/ready/<m>     AckRecord (member lease)
 /peer-elastic/<job>/<run>/gen/<n>/broken/<m>    AckRecord (member lease)
+/peer-elastic/<job>/<run>/gen/<n>/alive/<m>     AckRecord (member lease): "n broke, I live"
 /peer-elastic/<job>/<run>/gen/<n>/store/...     torch Store keys (run lease)
 /peer-elastic/<job>/<run>/drain/<member>        DrainRecord (run lease)
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
@@ -73,6 +74,9 @@ class RunKeys:
 
     def broken(self, n: int, member_id: str) -> str:
         return f"{self.gen_prefix(n)}broken/{member_id}"
+
+    def alive(self, n: int, member_id: str) -> str:
+        return f"{self.gen_prefix(n)}alive/{member_id}"
 
     def store_prefix(self, n: int) -> str:
         return f"{self.gen_prefix(n)}store/"

@@ -71,6 +71,16 @@ def plan_next_generation(
     if cfg.paused and gen is None:
         return Wait("paused")
     if len(roster) < cfg.min_np:
+        gone = [m for m in prev if m not in roster]
+        if gone:
+            # Members left or died and too few remain: a generation with an EMPTY roster
+            # stops everyone together (a leaver can go; nobody trains below min_np), and
+            # the rest wait for peers under the elastic timeout.
+            return GenerationPlan(
+                number=gen.number + 1,  # type: ignore[union-attr]
+                roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
+                f"(gone: {','.join(gone)})", needs_sync=False, joined=(), removed=tuple(gone),
+                dropped=tuple(m for m in prev if m in silent_now), broken=broken)
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
     quiet = now - snap.membership_changed_at
     if gen is None:
@@ -113,8 +123,18 @@ def plan_next_generation(
 
 
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
-                   now: float, settled_at: float = 0.0) -> set[str]:
-    """Roster members of the current generation with no ack ``join_timeout`` after it appeared.
+                   now: float, settled_at: float = 0.0,
+                   broken_seen_at: float | None = None) -> dict[str, str]:
+    """Roster members of the current generation that gave no proof of life in time.
+
+    Returns member id -> the ack it failed to give (``"ready"`` or ``"alive"``), which is also
+    the key the drop must guard on (still absent when the drop is written):
+
+    * ``ready``: no acknowledgement of the generation ``join_timeout`` after it appeared;
+    * ``alive``: the generation broke (a collective failed) and the member's coordination
+      thread did not answer "alive" within ``join_timeout``. This is what catches a dead
+      *leader*: it acknowledged the generation long ago, and it is the one who would have
+      written the next.
 
     The clock starts no earlier than the view's last (re)connection to etcd, nor than
     ``settled_at`` (when etcd was last seen disrupted, plus the time a stalled request needs
@@ -122,9 +142,18 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
     ack, and that must not make them look silent.
     """
     gen = snap.generation
-    if gen is None or seen_at is None:
-        return set()
-    if now - max(seen_at, snap.connected_at, settled_at) < join_timeout_s:
-        return set()
-    acked = snap.ready_for(gen.number)
-    return {m for m in gen.roster if m not in acked and m in snap.members}
+    out: dict[str, str] = {}
+    if gen is None:
+        return out
+    floor = max(snap.connected_at, settled_at)
+    n = gen.number
+    if seen_at is not None and now - max(seen_at, floor) >= join_timeout_s:
+        acked = snap.ready_for(n)
+        out.update({m: "ready" for m in gen.roster if m not in acked and m in snap.members})
+    broken = snap.broken.get(n, {})
+    if broken and broken_seen_at is not None and now - max(broken_seen_at, floor) >= join_timeout_s:
+        alive = snap.alive_for(n)
+        for m in gen.roster:
+            if m not in out and m not in alive and m not in broken and m in snap.members:
+                out[m] = "alive"
+    return out

@@ -72,6 +72,7 @@ class _RunState:
     generation: GenerationRecord | None = None
     generation_mod_revision: int = 0
     ready: dict[int, set[str]] = field(default_factory=dict)
+    alive: dict[int, set[str]] = field(default_factory=dict)
     broken: dict[int, dict[str, str]] = field(default_factory=dict)
     drains: set[str] = field(default_factory=set)
     blacklist: dict[str, HostRecord] = field(default_factory=dict)
@@ -101,6 +102,7 @@ class ViewSnapshot:
     done: DoneRecord | None
     membership_changed_at: float  # time.monotonic() of the last join or leave
     departures: tuple[Departure, ...]  # recent leaves, oldest first
+    alive: Mapping[int, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
     connected_at: float = 0.0  # time.monotonic() when the watch last (re)connected
 
     @property
@@ -109,6 +111,10 @@ class ViewSnapshot:
 
     def ready_for(self, n: int) -> frozenset[str]:
         return self.ready.get(n, frozenset())
+
+    def alive_for(self, n: int) -> frozenset[str]:
+        """Members whose coordination thread answered "alive" after ``n`` broke."""
+        return self.alive.get(n, frozenset())
 
     def eligible(self) -> list[Member]:
         """Members, oldest first, that may be in a roster: not drained, host not blacklisted.
@@ -303,14 +309,16 @@ class JobView:
                 )
             st.generation = rec
             # Acks of generations two or more behind are history.
-            for table in (st.ready, st.broken):
+            for table in (st.ready, st.alive, st.broken):
                 for n in [n for n in table if n < rec.number - 1]:
                     del table[n]
-        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "broken"):
+        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "alive", "broken"):
             n = _int(path[1], kv.key)
             rec = decode(AckRecord, kv.value, kv.key)
             if path[2] == "ready":
                 st.ready.setdefault(n, set()).add(path[3])
+            elif path[2] == "alive":
+                st.alive.setdefault(n, set()).add(path[3])
             else:
                 st.broken.setdefault(n, {})[path[3]] = rec.detail
         elif head == "gen" and len(path) >= 3 and path[2] == "store":
@@ -361,11 +369,13 @@ class JobView:
         elif head == "generation":
             st.generation = None  # only when the run lease ends
             st.generation_mod_revision = 0
-        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "broken"):
+        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "alive", "broken"):
             n = _int_or_none(path[1])
             if n is not None:
                 if path[2] == "ready":
                     st.ready.get(n, set()).discard(path[3])
+                elif path[2] == "alive":
+                    st.alive.get(n, set()).discard(path[3])
                 else:
                     st.broken.get(n, {}).pop(path[3], None)
         elif head == "drain" and len(path) == 2:
@@ -402,6 +412,7 @@ class JobView:
             done=st.done,
             membership_changed_at=self._membership_changed_at,
             departures=tuple(self._departures),
+            alive=MappingProxyType({n: frozenset(s) for n, s in st.alive.items()}),
             connected_at=self._watch.connected_at,
         )
 

@@ -1,0 +1,277 @@
+"""Cost of ``check_host_updates()`` per call, inside a real ``pe.join()`` job.
+
+For each world size (default 2 and 4), ``world`` peer processes join one job in an etcd
+that this script starts on loopback (gloo backend, CPU). Inside ``peer.run`` every rank
+times, call by call (``time.perf_counter_ns``):
+
+* ``check``: ``peer.check_host_updates()``, what ``commit()`` adds to a save and what a
+  training loop calls every few batches (no membership change happens meanwhile);
+* ``all_reduce``: a bare ``dist.all_reduce`` of a 1-element int64 tensor over the same
+  group, the floor any per-step agreement costs (the baseline);
+
+both back to back (the pure per-call cost) and each call after other work (an untimed
+``state.save()``, as inside ``commit()``: ranks then arrive apart and gloo's threads are
+no longer hot, which is what a training loop sees);
+* ``check_local``: the check with ``dist.all_reduce`` stubbed out, i.e. what it costs
+  besides its one collective (reading the watched view, filling the buffer, ``.item()``);
+* ``save`` / ``commit``: ``TorchState.save()`` and ``TorchState.commit()`` (= save + check)
+  for a small model (the recovery benchmark's MLP, ~0.4 M parameters, SGD with momentum),
+  for context.
+
+The two call kinds alternate in blocks (check, all_reduce, check, ...) so that drift of a
+busy machine hits both alike; a barrier precedes every block. Reported per world: median
+and p90 of every rank's calls pooled, and the worst rank's median.
+
+Usage::
+
+    python benchmarks/bench_check.py --out check.json            # world 2 and 4, 2000 calls
+    python benchmarks/bench_check.py --worlds 2 --calls 500      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TARGET_US = 200.0
+BLOCKS = 8
+WORKER_TIMEOUT_S = 300
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stats_us(ns: list[int]) -> dict[str, float]:
+    us = [v / 1000 for v in ns]
+    return {"median_us": statistics.median(us), "p90_us": pct(us, 0.9),
+            "p99_us": pct(us, 0.99), "min_us": min(us), "n": len(us)}
+
+
+# --- worker (one peer) -------------------------------------------------------------------------------
+
+
+def worker(calls: int, commits: int) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import peer_elastic as pe
+
+    sys.path.insert(0, str(HERE))
+    from recovery_worker import build_model, forward_backward
+
+    model = build_model()
+    optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
+                                                        momentum=0.9))
+    with pe.join() as peer:
+        state = pe.TorchState(model=model, optimizer=optimizer, step=0)
+
+        def measure(state: pe.TorchState) -> dict[str, Any]:
+            rank = dist.get_rank()
+            buf = torch.zeros(1, dtype=torch.int64)
+            check: list[int] = []
+            reduce: list[int] = []
+            per_block = max(1, calls // BLOCKS)
+            clock = time.perf_counter_ns
+            for _ in range(20):  # warm up both paths
+                peer.check_host_updates()
+                dist.all_reduce(buf)
+            for _ in range(BLOCKS):
+                dist.barrier()
+                for _ in range(per_block):
+                    t = clock()
+                    peer.check_host_updates()
+                    check.append(clock() - t)
+                dist.barrier()
+                for _ in range(per_block):
+                    t = clock()
+                    dist.all_reduce(buf)
+                    reduce.append(clock() - t)
+            # The check's own work without its collective: all_reduce stubbed out (locally,
+            # on every rank at once, so no rank waits in a collective meanwhile).
+            local: list[int] = []
+            dist.barrier()
+            real_all_reduce = dist.all_reduce
+            dist.all_reduce = lambda *a, **k: None  # type: ignore[assignment]
+            try:
+                for _ in range(calls):
+                    t = clock()
+                    peer.check_host_updates()
+                    local.append(clock() - t)
+            finally:
+                dist.all_reduce = real_all_reduce
+            dist.barrier()
+            # One real step, so the optimizer has momentum buffers to save.
+            state.optimizer.zero_grad(set_to_none=True)
+            forward_backward(state.model, 0, rank)
+            state.optimizer.step()
+            # The same two calls as a training loop makes them: each after other work (a
+            # state.save(), untimed), so the ranks arrive apart and the collective's threads
+            # are no longer hot.
+            check_w: list[int] = []
+            reduce_w: list[int] = []
+            per_block_w = max(1, calls // 4 // BLOCKS)
+            for _ in range(BLOCKS):
+                dist.barrier()
+                for _ in range(per_block_w):
+                    state.save()
+                    t = clock()
+                    peer.check_host_updates()
+                    check_w.append(clock() - t)
+                dist.barrier()
+                for _ in range(per_block_w):
+                    state.save()
+                    t = clock()
+                    dist.all_reduce(buf)
+                    reduce_w.append(clock() - t)
+            save: list[int] = []
+            commit: list[int] = []
+            dist.barrier()
+            for _ in range(commits):
+                t = clock()
+                state.save()
+                save.append(clock() - t)
+            dist.barrier()
+            for _ in range(commits):
+                t = clock()
+                state.commit()
+                commit.append(clock() - t)
+            params = sum(p.numel() for p in state.model.parameters())
+            return {"rank": rank, "world": dist.get_world_size(), "check_ns": check,
+                    "all_reduce_ns": reduce, "check_local_ns": local,
+                    "check_after_work_ns": check_w,
+                    "all_reduce_after_work_ns": reduce_w, "save_ns": save, "commit_ns": commit,
+                    "params": params}
+
+        result = peer.run(measure, state)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# --- driver -------------------------------------------------------------------------------------------
+
+
+def run_world(endpoint: str, world: int, calls: int, commits: int) -> dict[str, Any]:
+    job = f"check-{world}-{secrets.token_hex(3)}"
+    env = dict(os.environ, PEER_ELASTIC_ETCD=endpoint, PEER_ELASTIC_JOB=job,
+               PEER_ELASTIC_MIN_NP=str(world), PEER_ELASTIC_MAX_NP=str(world),
+               PEER_ELASTIC_BACKEND="gloo", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(calls),
+           "--commits", str(commits)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
+            if p.returncode != 0:
+                raise RuntimeError(f"a peer exited {p.returncode}:\n{err[-3000:]}")
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    ranks = []
+    for out in outputs:
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        ranks.append(json.loads(line[len("RESULT "):]))
+    ranks.sort(key=lambda r: r["rank"])
+    res: dict[str, Any] = {"world": world, "params": ranks[0]["params"]}
+    for kind in ("check", "all_reduce", "check_local", "check_after_work",
+                 "all_reduce_after_work", "save", "commit"):
+        pooled = [v for r in ranks for v in r[f"{kind}_ns"]]
+        res[kind] = stats_us(pooled)
+        res[kind]["worst_rank_median_us"] = max(
+            statistics.median(r[f"{kind}_ns"]) / 1000 for r in ranks)
+    res["check_minus_all_reduce_median_us"] = (res["check"]["median_us"]
+                                               - res["all_reduce"]["median_us"])
+    res["check_minus_all_reduce_after_work_median_us"] = (
+        res["check_after_work"]["median_us"] - res["all_reduce_after_work"]["median_us"])
+    res["meets_target"] = res["check"]["median_us"] < TARGET_US
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes (2,4)")
+    ap.add_argument("--calls", type=int, default=2000, help="calls of each kind per rank")
+    ap.add_argument("--commits", type=int, default=200, help="save/commit calls per rank")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.calls, args.commits)
+
+    import torch
+
+    import peer_elastic
+    from peer_elastic.etcd_server import EtcdServer
+
+    worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    results = []
+    with EtcdServer() as server:
+        for world in worlds:
+            r = run_world(server.endpoint, world, args.calls, args.commits)
+            results.append(r)
+            print(f"world {world}: check median {r['check']['median_us']:.1f} us "
+                  f"p90 {r['check']['p90_us']:.1f} us | all_reduce median "
+                  f"{r['all_reduce']['median_us']:.1f} us p90 {r['all_reduce']['p90_us']:.1f} us"
+                  f" | commit median {r['commit']['median_us']:.0f} us", flush=True)
+    cols = ["world", "calls", "check med", "check p90", "all_reduce med", "all_reduce p90",
+            "check - ar", f"check < {TARGET_US:.0f} us"]
+    rows = []
+    for r in results:
+        for label, c, a in (("back to back", "check", "all_reduce"),
+                            ("after a save", "check_after_work", "all_reduce_after_work")):
+            rows.append([str(r["world"]), label, f"{r[c]['median_us']:.1f}",
+                         f"{r[c]['p90_us']:.1f}", f"{r[a]['median_us']:.1f}",
+                         f"{r[a]['p90_us']:.1f}",
+                         f"{r[c]['median_us'] - r[a]['median_us']:+.1f}",
+                         ("met" if r[c]["median_us"] < TARGET_US else "MISSED")
+                         if c == "check" else "-"])
+    widths = [max(len(x[i]) for x in [cols, *rows]) for i in range(len(cols))]
+    print()
+    for i, row in enumerate([cols, *rows]):
+        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        if i == 0:
+            print("-+-".join("-" * w for w in widths))
+    print(f"(microseconds, pooled over ranks; {args.calls} back-to-back calls per rank of "
+          f"each kind, {args.calls // 4} after a save, which includes waiting for the "
+          "slowest rank)")
+    for r in results:
+        loc = r["check_local"]
+        print(f"  world {r['world']}: the check without its collective (all_reduce stubbed): "
+              f"median {loc['median_us']:.1f} us, p90 {loc['p90_us']:.1f} us")
+    print()
+    print("save / commit of the MLP "
+          f"({results[0]['params'] if results else 0} parameters + SGD momentum), microseconds:")
+    for r in results:
+        print(f"  world {r['world']}: save median {r['save']['median_us']:.0f} "
+              f"p90 {r['save']['p90_us']:.0f} | commit (save + check) median "
+              f"{r['commit']['median_us']:.0f} p90 {r['commit']['p90_us']:.0f}")
+    if args.out:
+        doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "torch": torch.__version__, "peer_elastic": peer_elastic.__version__},
+               "args": vars(args), "results": results}
+        Path(args.out).write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
