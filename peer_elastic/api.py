@@ -15,6 +15,9 @@ started by systemd or a scheduler need none:
 ``PEER_ELASTIC_HOST``       host name this peer reports (default: the machine's)
 ``PEER_ELASTIC_LOCAL_RANK`` this peer's slot on its host (with nccl: its GPU)
 ``PEER_ELASTIC_LOG_LEVEL``  WARNING (default), INFO or DEBUG
+``PEER_ELASTIC_METRICS_PORT``  serve Prometheus metrics on this port + local rank (0: any
+                            free port; unset: off); see :mod:`peer_elastic.metrics`
+``PEER_ELASTIC_METRICS_ADDR``  the metrics listen address (default 127.0.0.1)
 =========================  ============================================================
 """
 
@@ -42,6 +45,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.metrics import PeerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +100,14 @@ def join(
     local_rank = int(_env("PEER_ELASTIC_LOCAL_RANK", "0") or 0)
     chosen_backend = backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto"
     client = connect(etcd)
-    coord = Coordinator(client, job, job_settings, host=host, labels=labels,
-                        local_rank=local_rank)
+    # Before the Coordinator: the member record publishes where to scrape (its address).
+    metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
+    try:
+        coord = Coordinator(client, job, job_settings, host=host, labels=labels,
+                            local_rank=local_rank, address=metrics.address)
+    except BaseException:
+        metrics.close()
+        raise
     peer: Peer | None = None
     previous_handler: Any = None
     try:
@@ -108,6 +118,7 @@ def join(
             backend=chosen_backend,
             collective_timeout_s=collective_timeout_s
             or float(_env("PEER_ELASTIC_COLLECTIVE_TIMEOUT", "30") or 30),
+            metrics=metrics,
         )
         if peer.groups.backend == "nccl":
             import torch
@@ -136,6 +147,7 @@ def join(
             peer.close()
         coord.close(leave=True)
         client.close()
+        metrics.close()
 
 
 def _leave_on_signal(coord: Coordinator) -> Callable[[int, Any], None]:

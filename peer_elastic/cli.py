@@ -244,6 +244,7 @@ def job_status(client: Any, job: str) -> dict[str, Any]:
         members.append({
             "id": m.id,
             "host": m.host,
+            "address": m.record.address,  # where to scrape its metrics ("" when off)
             "rank": roster.index(m.id) if m.id in roster else None,
             "standby": m.id not in roster,
             "pid": m.record.pid,
@@ -288,6 +289,7 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     for m in doc["members"]:
         role = "standby" if m["standby"] else f"rank {m['rank']}"
         print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s"
+              + (f"  metrics {m['address']}" if m["address"] else "")
               + ("  (draining)" if m["draining"] else ""))
     if doc["progress"]:
         p = doc["progress"]

@@ -58,6 +58,7 @@ class Peer:
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
+        metrics: Any = None,
     ) -> None:
         self.coordinator = coordinator
         self.groups = GroupManager(coordinator, backend, collective_timeout_s, rendezvous_timeout_s)
@@ -71,6 +72,10 @@ class Peer:
         self.reset_log: list[dict[str, Any]] = []
         self._pending_timing: dict[str, Any] | None = None
         self._progress = _Publisher(coordinator)
+        # peer_elastic.metrics.PeerMetrics, or None when off: every hook is one `is None` test.
+        self.metrics = metrics if metrics is not None and metrics.enabled else None
+        if self.metrics is not None:
+            self.metrics.bind(self)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -142,7 +147,10 @@ class Peer:
         job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 1
         when the job failed).
         """
-        state._bind(self.check_host_updates)
+        if self.metrics is None:
+            state._bind(self.check_host_updates)
+        else:  # the same checker, timed; state.commit() timed too
+            self.metrics.instrument(state, self.check_host_updates)
         after = 0
         try:
             while True:
@@ -168,6 +176,8 @@ class Peer:
             raise SystemExit(0) from None
         finally:
             state._bind(None)
+            if self.metrics is not None:
+                self.metrics.uninstrument(state)
 
     def _on_collective_failure(self, state: Any, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
@@ -183,6 +193,7 @@ class Peer:
     def _reset(self, state: Any, after: int) -> None:
         t0 = time.monotonic()
         first = self._group is None and after == 0
+        restored, incarnation = self._restored, self._incarnation  # how we got here, for metrics
         while True:
             try:
                 self._group = self.groups.form(after)
@@ -215,11 +226,17 @@ class Peer:
         logs.set_context(member=self.coordinator.member_id, rank=a.rank, generation=a.generation)
         self.reset_log.append({"generation": a.generation, "rank": a.rank, "size": a.size,
                                "seconds": took, "reason": a.reason})
+        if self.metrics is not None and not first:
+            self.metrics.record_reset(a.reason, took, crashed=restored,
+                                      lease_lost=self._incarnation != incarnation)
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
 
     def _agree_and_sync(self, state: Any) -> None:
         need = not self._synced_once or self._restored
-        agree_and_sync(state, self.rank, self.size, self.device, need)
+        t0 = time.perf_counter()
+        src = agree_and_sync(state, self.rank, self.size, self.device, need)
+        if self.metrics is not None and src is not None:
+            self.metrics.observe_sync(time.perf_counter() - t0)
         self._synced_once = True
         self._restored = False
 
