@@ -510,7 +510,13 @@ class Coordinator:
         now = time.monotonic()
         gen = snap.generation
         if gen is not None:
-            self._gen_seen_at.setdefault(gen.number, now)
+            if gen.number not in self._gen_seen_at:
+                self._gen_seen_at[gen.number] = now
+                for table in (self._gen_seen_at, self._broken_seen_at):  # only n and n-1 matter
+                    for old in [k for k in table if k < gen.number - 1]:
+                        del table[old]
+                self._acked &= {gen.number - 1, gen.number}
+                self._alive_acked &= {gen.number - 1, gen.number}
             if self.member_id in gen.roster and gen.number not in self._acked:
                 self._ack(gen.number)
             if snap.broken.get(gen.number):
