@@ -65,15 +65,14 @@ def main() -> int:
         state = pe.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
 
         def rescale_lr() -> None:
-            # Runs after every reset, once the new group exists: keep lr proportional to
-            # the global batch size.
+            # Runs on every rank each time a group forms (the first one too), before state
+            # is synced: keep lr proportional to the global batch size.
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * dist.get_world_size()
 
         state.register_reset_callbacks([rescale_lr])
 
         def train(state: pe.TorchState) -> float:
-            rescale_lr()
             loss_fn = nn.CrossEntropyLoss()
             while state.epoch < args.epochs:
                 loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
