@@ -31,6 +31,17 @@ def _setting_flags(p: argparse.ArgumentParser) -> None:
                        help=f"{f.help} [{f.env}, default {f.default}]")
 
 
+def _job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--etcd / --job / --timeout: how every command that talks to a job finds it."""
+    p.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"),
+                   help="etcd endpoints [PEER_ELASTIC_ETCD]")
+    p.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"),
+                   help="job name [PEER_ELASTIC_JOB]")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to keep trying to reach etcd (default 5)")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peer-elastic",
@@ -56,42 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
     etcd.add_argument("--data-dir", required=True)
     etcd.add_argument("--port", type=int, default=2379)
 
-    status = sub.add_parser("status", help="show a job's generation, members and progress")
-    status.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
-    status.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"), required=False)
+    status = _job_flags(sub.add_parser("status",
+                                       help="show a job's generation, members and progress"))
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds to keep trying to reach etcd (default 5)")
 
-    events = sub.add_parser("events", help="show a job's event log",
-                            description="Joins, leaves, expiries, drains, blacklisting, and "
-                            "every generation formed with its cause and timing breakdown.")
-    events.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
-    events.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
+    events = _job_flags(sub.add_parser(
+        "events", help="show a job's event log",
+        description="Joins, leaves, expiries, drains, blacklisting, and every generation "
+        "formed with its cause and timing breakdown."))
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
-    events.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds to keep trying to reach etcd (default 5)")
 
-    setp = sub.add_parser("set", help="change settings of a running job",
-                          description="Change settings of a running job, e.g. min_np=3 "
-                          "max_np=8. Peers pick them up at their next step; no restart.")
-    setp.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
-    setp.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
-    setp.add_argument("--timeout", type=float, default=5.0)
+    setp = _job_flags(sub.add_parser(
+        "set", help="change settings of a running job",
+        description="Change settings of a running job, e.g. min_np=3 max_np=8. Peers pick "
+        "them up at their next step; no restart."))
     setp.add_argument("assignments", nargs="+", metavar="NAME=VALUE")
-    for name, help_text in (("pause", "freeze the roster: joiners wait as standbys"),
-                            ("resume", "let joiners in again")):
-        sp = sub.add_parser(name, help=help_text)
-        sp.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
-        sp.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
-        sp.add_argument("--timeout", type=float, default=5.0)
+    _job_flags(sub.add_parser("pause", help="freeze the roster: joiners wait as standbys"))
+    _job_flags(sub.add_parser("resume", help="let joiners in again"))
 
-    drain = sub.add_parser("drain", help="ask one peer to leave gracefully")
-    drain.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"))
-    drain.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"))
-    drain.add_argument("--timeout", type=float, default=5.0,
-                       help="seconds to keep trying to reach etcd (default 5)")
+    drain = _job_flags(sub.add_parser("drain", help="ask one peer to leave gracefully"))
     drain.add_argument("member_id")
     return parser
 
