@@ -144,7 +144,7 @@ class Peer:
 
         Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
         raises ``SystemExit(0)`` once the job re-formed without it. A peer that finds the
-        job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 1
+        job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 4
         when the job failed).
         """
         if self.metrics is None:
@@ -213,7 +213,11 @@ class Peer:
                 if not is_collective_failure(exc):
                     raise
                 log.warning("generation %d failed while forming: %s", self.generation, exc)
-                self._restored = self._restored or self._synced_once
+                # A sync cut short may have overwritten part of the live state: go back to
+                # the last commit (intact: a sync only writes it after completing), so this
+                # rank never serves a torn state as the next sync source.
+                state.restore()
+                self._restored = True
                 if self._group is not None:
                     self.coordinator.mark_broken(self.generation, str(exc)[:300])
                     after = self.generation
