@@ -248,13 +248,13 @@ def map_error(exc: BaseException, what: str) -> Exception:
             and any(s in details for s in ("user name", "authentication", "auth", "permission"))
         ):
             return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "space exceeded" in details:
+        if "too large" in details or "larger than max" in details:
+            return EtcdError(f"{what}: request too large for etcd ({details})")
+        if "space exceeded" in details:
             return EtcdError(
                 f"{what}: etcd is out of space ({details}); compact and defragment it, or "
                 "raise --quota-backend-bytes"
             )
-        if "too large" in details:
-            return EtcdError(f"{what}: request too large for etcd ({details})")
         return EtcdError(f"{what}: {code.name if code else 'error'}: {details}")
     return EtcdError(f"{what}: {type(exc).__name__}: {exc}")
 

@@ -1,0 +1,77 @@
+"""What etcd can say no to, on real servers: auth (and its expiry), quota, request size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from peer_elastic.errors import EtcdAuthError, EtcdError
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd_server import EtcdServer, find_etcd_binary
+
+
+def etcdctl(server: EtcdServer, *args: str, user: str | None = None) -> str:
+    ctl = os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
+    cmd = [ctl if os.path.exists(ctl) else "etcdctl", f"--endpoints={server.endpoint}", *args]
+    if user:
+        cmd.insert(2, f"--user={user}")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture
+def auth_etcd():
+    # Simple tokens that expire after 2 s: the client must renew them by itself.
+    with EtcdServer(extra_args=["--auth-token=simple", "--auth-token-ttl=2"]) as server:
+        etcdctl(server, "user", "add", "root:rootpw")
+        etcdctl(server, "user", "add", "peer:peerpw")
+        etcdctl(server, "role", "add", "job-a")
+        etcdctl(server, "role", "grant-permission", "job-a", "--prefix=true", "readwrite",
+                "/peer-elastic/job-a/")
+        etcdctl(server, "user", "grant-role", "peer", "job-a")
+        etcdctl(server, "auth", "enable")
+        yield server
+
+
+def test_password_auth_works_on_plaintext_and_survives_token_expiry(auth_etcd) -> None:
+    client = EtcdClient(auth_etcd.endpoint, user="peer", password="peerpw", retry_budget_s=5)
+    try:
+        client.put("/peer-elastic/job-a/x", b"1")
+        time.sleep(3)  # the simple token expired meanwhile
+        client.put("/peer-elastic/job-a/x", b"2")  # renewed transparently
+        assert client.get("/peer-elastic/job-a/x").value == b"2"
+        with pytest.raises(EtcdAuthError, match="refused"):
+            client.put("/peer-elastic/job-b/x", b"1")  # outside its prefix
+    finally:
+        client.close()
+
+
+def test_wrong_password_is_one_clear_error(auth_etcd) -> None:
+    with pytest.raises(EtcdAuthError, match="credentials") as err:
+        EtcdClient(auth_etcd.endpoint, user="peer", password="wrong", retry_budget_s=2)
+    assert "_InactiveRpcError" not in str(err.value)
+
+
+def test_oversized_value_is_refused_with_a_clear_error(etcd: str, unique_job: str) -> None:
+    client = EtcdClient(etcd)
+    try:
+        with pytest.raises(EtcdError, match="too large"):
+            client.put(f"/t/{unique_job}/big", b"x" * (2 << 20))  # over etcd's 1.5 MiB
+    finally:
+        client.close()
+
+
+def test_quota_exceeded_is_a_clear_error() -> None:
+    with EtcdServer(extra_args=["--quota-backend-bytes=8388608"]) as server:  # 8 MiB
+        client = EtcdClient(server.endpoint, retry_budget_s=2)
+        try:
+            with pytest.raises(EtcdError, match="out of space") as err:
+                for i in range(200):  # bounded: 200 x 512 KiB is far past the quota
+                    client.put(f"/fill/{i}", b"x" * (512 << 10))
+            assert "compact" in str(err.value)
+        finally:
+            client.close()
