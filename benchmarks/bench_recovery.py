@@ -30,6 +30,15 @@ Scenarios (the member hit is chosen from the workers' own output):
   torchrun: the agent hosting the c10d store, with its worker).
 * ``sigterm``: SIGTERM of one non-leader member (peer-elastic: the peer, which leaves
   gracefully; torchrun: the agent, as ``kill <pid>`` of a launcher).
+* ``hang``: SIGSTOP of the training process of a non-leader member, which stays stopped:
+  a peer hung inside a collective (a stuck host, swapping, a debugger). peer-elastic: the
+  peer; torchrun: its worker (the agent goes on answering the rendezvous). Both groups'
+  collective timeout is 30 s (peer-elastic's default; the torchrun worker passes
+  ``timeout=30 s``, since torch's own default for gloo is 30 min). Any world of 2 or 3
+  counts as the new group: torchrun's agent may start a replacement worker.
+  ``peer-elastic-no-abandon`` (selectable with ``--systems``) is peer-elastic with
+  ``PEER_ELASTIC_ABANDON_COLLECTIVES=0``: what the hang costs without abandoning the stuck
+  collective.
 * ``join``: a 4th member starts. The event time is when the joiner is ready to join: the
   ``READY`` line of a peer-elastic peer (printed after its imports and model, right before
   ``pe.join()``), or, for torchrun, the agent's ``AGENT`` line (printed after
@@ -82,9 +91,9 @@ ROOT = HERE.parent
 PE_WORKER = HERE / "recovery_worker.py"
 TR_WORKER = HERE / "torchrun_worker.py"
 
-SCENARIOS = ("kill-worker", "kill-leader", "sigterm", "join")
+SCENARIOS = ("kill-worker", "kill-leader", "sigterm", "join", "hang")
 SYSTEMS = ("peer-elastic", "peer-elastic-tuned", "torchrun-tuned", "torchrun-default")
-ALL_SYSTEMS = SYSTEMS
+ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-no-abandon")
 QUICK_SCENARIOS = ("kill-worker", "sigterm", "join")
 QUICK_SYSTEMS = ("peer-elastic", "torchrun-tuned")
 
@@ -97,10 +106,14 @@ TARGET_GRACEFUL_S = 0.5
 TARGET_CRASH_S = 2.0
 TARGET_VS_TUNED = 3.0
 TARGET_VS_DEFAULT = 20.0
+#: A peer hung in a collective: the survivors re-form within about the lease TTL (5 s) plus
+#: join_timeout (1 s) at default settings, plus the reset itself.
+TARGET_HANG_S = 5.0 + 1.0 + 2.0
 
 START_TIMEOUT_S = 150.0  # torchrun's default last call alone is 30 s
 RECOVERY_TIMEOUT_S = {"peer-elastic": 60.0, "peer-elastic-tuned": 60.0,
-                      "torchrun-tuned": 90.0, "torchrun-default": 180.0}
+                      "peer-elastic-no-abandon": 90.0,
+                      "torchrun-tuned": 120.0, "torchrun-default": 180.0}
 ENDED_TIMEOUT_S = 120.0
 
 AGENT_BOOT = ("import sys, time; import torch.distributed.run as r; "
@@ -369,15 +382,18 @@ def _rank_holder(job: Job, rank: int) -> Member | None:
 class PeerElasticJob(Job):
     system = "peer-elastic"
 
-    def __init__(self, tag: str, log_dir: Path | None, endpoint: str, tuned: bool) -> None:
+    def __init__(self, tag: str, log_dir: Path | None, endpoint: str, system: str) -> None:
         env = dict(os.environ, PEER_ELASTIC_ETCD=endpoint, PEER_ELASTIC_JOB=f"bench-{tag}",
                    PEER_ELASTIC_MIN_NP="2", PEER_ELASTIC_MAX_NP="4")
         for k in ("PEER_ELASTIC_LEASE_TTL", "PEER_ELASTIC_JOIN_TIMEOUT", "PEER_ELASTIC_SETTLE",
-                  "PEER_ELASTIC_START_SETTLE"):
+                  "PEER_ELASTIC_START_SETTLE", "PEER_ELASTIC_COLLECTIVE_TIMEOUT",
+                  "PEER_ELASTIC_ABANDON_COLLECTIVES"):
             env.pop(k, None)  # defaults, whatever the caller's environment says
-        if tuned:
+        if system == "peer-elastic-tuned":
             env.update(PE_TUNED)
-            self.system = "peer-elastic-tuned"
+        elif system == "peer-elastic-no-abandon":
+            env["PEER_ELASTIC_ABANDON_COLLECTIVES"] = "0"
+        self.system = system
         super().__init__(tag, log_dir, env)
 
     def command(self, index: int) -> list[str]:
@@ -487,15 +503,15 @@ def _warm(job: Job, world: int, warmup: int) -> bool:
     return False
 
 
-def _recovered(job: Job, before: set[int], world: int, after: int) -> int | None:
-    """The new group once every one of its ``world`` ranks has trained ``after`` steps."""
+def _recovered(job: Job, before: set[int], worlds: set[int], after: int) -> int | None:
+    """The new group (of a size in ``worlds``) once each of its ranks trained ``after`` steps."""
     for group, steps in _by_group(job.steps()).items():
-        if group in before or steps[0].world != world:
+        if group in before or steps[0].world not in worlds:
             continue
         per_rank: dict[int, int] = {}
         for s in steps:
             per_rank[s.rank] = per_rank.get(s.rank, 0) + 1
-        if len(per_rank) == world and min(per_rank.values()) >= after:
+        if len(per_rank) == steps[0].world and min(per_rank.values()) >= after:
             return group
     return None
 
@@ -531,7 +547,7 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
     n = args.members
     if system.startswith("peer-elastic"):
         assert endpoint is not None
-        job: Job = PeerElasticJob(tag, log_dir, endpoint, tuned=system.endswith("tuned"))
+        job: Job = PeerElasticJob(tag, log_dir, endpoint, system)
     else:
         nnodes = f"{n}:{n + 1}" if scenario == "join" else f"{n - 1}:{n}"
         job = TorchrunJob(tag, log_dir, system.endswith("tuned"), nnodes, work,
@@ -544,6 +560,7 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
         time.sleep(0.2 + secrets.randbelow(100) / 1000)  # the event lands anywhere in a step
         before = {s.group for s in job.steps()}
         world = n + 1 if scenario == "join" else n - 1
+        worlds = {n - 1, n} if scenario == "hang" else {world}
         target: Member | None = None
         if scenario == "join":
             target = job.start()
@@ -558,18 +575,22 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
             t_event = time.time()
             if scenario == "sigterm":
                 os.kill(target.pid, signal.SIGTERM)
+            elif scenario == "hang":
+                # The training process itself: a torchrun agent keeps answering for its
+                # node, as it would for a hung worker.
+                os.kill(g.pid if g else target.pid, signal.SIGSTOP)
             else:
                 job.crash(target)
         out.target_member = target.name
         others = [m for m in job.members if m is not target]
 
         def done() -> bool:
-            if _recovered(job, before, world, args.after) is not None:
+            if _recovered(job, before, worlds, args.after) is not None:
                 return True
             return scenario != "join" and not any(m.alive() for m in others)
 
         wait_until(done, RECOVERY_TIMEOUT_S[system])
-        group = _recovered(job, before, world, args.after)
+        group = _recovered(job, before, worlds, args.after)
         if group is not None:
             analyse(out, job, t_event, before, group)
             out.ok = True
@@ -581,7 +602,7 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
             out.notes.append("every other member exited: the job ended")
         else:
             out.error = f"no recovery within {RECOVERY_TIMEOUT_S[system]:.0f} s"
-        if scenario != "join" and target is not None:
+        if scenario not in ("join", "hang") and target is not None:
             try:
                 target.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -695,7 +716,11 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str])
         if not s or "recovery_all_s" not in s:
             continue
         worst = s["recovery_all_s_max"]
-        if sc in ("join", "sigterm"):
+        if sc == "hang":
+            ok = worst <= TARGET_HANG_S
+            out.append(f"{sc}: within {TARGET_HANG_S:.0f} s (lease TTL + join_timeout + 2 s): "
+                       f"{'met' if ok else 'MISSED'} (worst {worst:.2f} s)")
+        elif sc in ("join", "sigterm"):
             ok = worst <= TARGET_GRACEFUL_S and s["redone_steps"] == 0
             out.append(f"{sc}: within {TARGET_GRACEFUL_S} s, 0 re-done: "
                        f"{'met' if ok else 'MISSED'} (worst {worst:.2f} s, "

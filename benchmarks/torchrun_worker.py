@@ -10,13 +10,14 @@ again.
 Same model, data and output lines as ``recovery_worker.py`` (see there); ``<group>`` is the
 pid of this group's rank-0 worker, agreed with one all-reduce at start.
 Knobs: ``BENCH_CKPT`` (the checkpoint path, required), ``BENCH_CKPT_EVERY``,
-``BENCH_HIDDEN``, ``BENCH_BATCH``, ``BENCH_MAX_STEPS``.
+``BENCH_HIDDEN``, ``BENCH_BATCH``, ``BENCH_MAX_STEPS``, ``BENCH_PG_TIMEOUT`` (seconds, 30).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from recovery_worker import (  # noqa: E402 - after the path tweak
 
 CKPT = os.environ.get("BENCH_CKPT", "")
 CKPT_EVERY = int(os.environ.get("BENCH_CKPT_EVERY", "10"))
+PG_TIMEOUT_S = float(os.environ.get("BENCH_PG_TIMEOUT", "30"))
 
 
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -51,7 +53,9 @@ def main() -> int:
     torch.set_num_threads(1)
     model = build_model()
     warm_up(model)
-    dist.init_process_group("gloo")  # env:// from the torchrun agent
+    # env:// from the torchrun agent; 30 s like peer-elastic's default collective timeout
+    # (torch's own default for gloo is 30 minutes).
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     step = 0

@@ -12,6 +12,9 @@ started by systemd or a scheduler need none:
 ``PEER_ELASTIC_MIN_NP`` ..  every job setting; see :data:`peer_elastic.config.JOB_FIELDS`
 ``PEER_ELASTIC_BACKEND``    ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``
 ``PEER_ELASTIC_COLLECTIVE_TIMEOUT``  seconds before a stuck collective fails (default 30)
+``PEER_ELASTIC_ABANDON_COLLECTIVES``  ``1`` (default): a collective stuck on a peer whose
+                            lease is gone fails after ``join_timeout_s``; ``0``: it waits
+                            for the collective timeout
 ``PEER_ELASTIC_HOST``       host name this peer reports (default: the machine's)
 ``PEER_ELASTIC_LOCAL_RANK`` this peer's slot on its host (with nccl: its GPU)
 ``PEER_ELASTIC_LOG_LEVEL``  WARNING (default), INFO or DEBUG
@@ -63,6 +66,17 @@ def _env(name: str, default: str | None = None) -> str | None:
     return value if value not in (None, "") else default
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    value = _env(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r}: expected 1 or 0")
+
+
 def connect(etcd: str | None = None) -> EtcdClient:
     """An etcd client from ``etcd`` or ``PEER_ELASTIC_ETCD`` (plus TLS/auth variables)."""
     if not (etcd or _env(ENV_ENDPOINTS)):
@@ -79,6 +93,7 @@ def join(
     *,
     backend: str | None = None,
     collective_timeout_s: float | None = None,
+    abandon_hung_collectives: bool | None = None,
     host: str | None = None,
     labels: Mapping[str, str] | None = None,
     handle_sigterm: bool = True,
@@ -87,7 +102,9 @@ def join(
     """Join (or start) an elastic job; leaving the block leaves the job gracefully.
 
     ``settings`` are the other job settings (``lease_ttl_s``, ``join_timeout_s``,
-    ``elastic_timeout_s``, ``reset_limit``, ...). With ``handle_sigterm`` (and when called
+    ``elastic_timeout_s``, ``reset_limit``, ...). ``abandon_hung_collectives`` (default on)
+    makes a collective that waits on a peer whose lease is gone fail ``join_timeout_s``
+    later instead of at the collective timeout. With ``handle_sigterm`` (and when called
     from the main thread) SIGTERM drains this peer: the others reset at their next check
     without rolling back, and this one exits 0 once they re-formed.
     """
@@ -119,6 +136,9 @@ def join(
             collective_timeout_s=collective_timeout_s
             or float(_env("PEER_ELASTIC_COLLECTIVE_TIMEOUT", "30") or 30),
             metrics=metrics,
+            abandon_hung_collectives=abandon_hung_collectives
+            if abandon_hung_collectives is not None
+            else _env_flag("PEER_ELASTIC_ABANDON_COLLECTIVES", True),
         )
         if peer.groups.backend == "nccl":
             import torch

@@ -41,6 +41,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.sampler import syncing_from
+from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,23 @@ class Peer:
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
         metrics: Any = None,
+        abandon_hung_collectives: bool = True,
     ) -> None:
         self.coordinator = coordinator
         self.groups = GroupManager(coordinator, backend, collective_timeout_s, rendezvous_timeout_s)
+        # Frees this peer from a collective stuck on a peer whose lease is gone, after giving
+        # the training thread join_timeout to leave the group by itself.
+        self._watchdog: HangWatchdog | None = None
+        if abandon_hung_collectives:
+            groups = self.groups
+            self._watchdog = HangWatchdog(
+                current=lambda: groups.current,
+                lost_peer=groups.lost_peer,  # type: ignore[arg-type]
+                abort=groups.abandon,  # type: ignore[arg-type]
+                wait_change=coordinator.view.wait_change,
+                wake=coordinator.view.wake,
+                grace_s=lambda: float(coordinator.config.join_timeout_s or 1.0),
+            )
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None
@@ -151,6 +166,8 @@ class Peer:
             state._bind(self.check_host_updates)
         else:  # the same checker, timed; state.commit() timed too
             self.metrics.instrument(state, self.check_host_updates)
+        if self._watchdog is not None:
+            self._watchdog.start()
         after = 0
         try:
             while True:
@@ -288,6 +305,8 @@ class Peer:
 
     def close(self) -> None:
         self._progress.stop()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self.groups.destroy()
 
 

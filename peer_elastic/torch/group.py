@@ -7,12 +7,17 @@ waits for a peer the leader is about to drop), then runs ``init_process_group`` 
 gives up as soon as the generation is superseded, so a rendezvous never waits for a peer
 that is gone; the manager then moves on to the newer generation.
 
+It also remembers the connections each group opened, so that a collective stuck on a peer
+whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
+:class:`~peer_elastic.torch.abort.HangWatchdog`).
+
 Plain ``torch.distributed`` calls and DDP in user code use the group unchanged.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,7 @@ class FormedGroup:
     formed_at: float  # time.monotonic()
     wait_s: float  # waiting for acks
     init_s: float  # init_process_group
+    incarnation: int = 0  # the coordinator's registration this group was formed under
 
 
 class GroupManager:
@@ -78,10 +85,20 @@ class GroupManager:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.current: FormedGroup | None = None
         self.attempts = 0
+        self.abandoned = 0  # groups whose in-flight collectives were abandoned
         self._store: EtcdStore | None = None
+        self._connections = GroupConnections()
+        self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
+        self._is_etcd = endpoint_matcher(
+            (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
 
     def destroy(self) -> None:
         """Tear down the current group (if any). Safe after a failed collective or init."""
+        with self._lock:
+            had_group, self.current = self.current is not None, None
+            self._connections = GroupConnections()
+        if had_group:
+            self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -97,7 +114,6 @@ class GroupManager:
         if self._store is not None:
             self._store.close()  # torch keeps only the C++ half alive; we held the rest
             self._store = None
-        self.current = None
 
     def form(self, after: int) -> FormedGroup:
         """Join the newest generation after ``after`` that lists this peer.
@@ -116,11 +132,13 @@ class GroupManager:
                 continue
             t1 = time.monotonic()
             store = self._store = self._new_store(a.generation)
+            incarnation = coord.incarnation
             try:
-                dist.init_process_group(
-                    self.backend, store=store, rank=a.rank, world_size=a.size,
-                    timeout=timedelta(seconds=self.collective_timeout_s),
-                )
+                with GroupConnections.capture(exclude=self._is_etcd) as connections:
+                    dist.init_process_group(
+                        self.backend, store=store, rank=a.rank, world_size=a.size,
+                        timeout=timedelta(seconds=self.collective_timeout_s),
+                    )
             except Exception as exc:
                 reason = self._abort_reason(a.generation)
                 log.info("forming generation %d failed (%s): %s", a.generation,
@@ -134,10 +152,57 @@ class GroupManager:
                     self._mark_broken(a.generation, f"rendezvous failed: {exc}")
                 continue
             t2 = time.monotonic()
-            self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1)
+            with self._lock:
+                self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation)
+                self._connections = connections
+            coord.view.wake()
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
+
+    def lost_peer(self, group: FormedGroup) -> str | None:
+        """Why ``group`` can no longer complete a collective, or None while it can.
+
+        A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
+        did this peer if it re-registered since the group formed.
+        """
+        coord = self.coordinator
+        if coord.error is not None:
+            return str(coord.error)
+        if coord.incarnation != group.incarnation:
+            return f"this peer lost its lease during generation {group.assignment.generation}"
+        members = coord.snapshot().members
+        gone = [m for m in group.assignment.roster if m not in members]
+        if gone:
+            return (f"{', '.join(gone)} of generation {group.assignment.generation} "
+                    f"lost {'its lease' if len(gone) == 1 else 'their leases'}")
+        return None
+
+    def abandon(self, group: FormedGroup, why: str) -> bool:
+        """Make every pending and later collective of ``group`` fail now, on this rank and
+        on the ranks connected to it. No-op unless ``group`` is still the current one."""
+        with self._lock:
+            if group is not self.current:
+                return False
+            connections = self._connections
+        n = group.assignment.generation
+        log.warning("abandoning generation %d's collectives: %s", n, why)
+        if self.backend == "nccl":
+            # nccl aborts for real (ncclCommAbort); gloo's abort() does not wake a blocked
+            # receive, hence the connections below. Not exercised by the CPU test suite.
+            try:
+                dist.distributed_c10d._get_default_group().abort()
+            except Exception as exc:
+                log.warning("could not abort generation %d's nccl group: %s", n, exc)
+                return False
+        elif connections.cut() == 0:
+            log.warning("%s, but generation %d has no connection left to cut; its collectives "
+                        "end at the collective timeout (%.0f s)", why, n,
+                        self.collective_timeout_s)
+            return False
+        self.abandoned += 1
+        self.coordinator.record_event("collective abandoned", why, generation=n)
+        return True
 
     def _new_store(self, generation: int) -> EtcdStore:
         coord = self.coordinator

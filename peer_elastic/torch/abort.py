@@ -1,0 +1,237 @@
+"""Abandoning a collective that waits on a peer whose lease is gone.
+
+A peer that hangs inside a collective (stopped, swapping, cut off by the network) leaves
+every other rank blocked in that collective until the group's timeout, 30 s or more. Once
+the hung peer's lease is gone the leader has already written a generation without it; the
+survivors only have to get out of the collective they are stuck in.
+
+gloo has no abort that does this: on torch 2.13 ``ProcessGroupGloo.abort()`` and
+``shutdown()`` return at once but leave a blocked receive waiting out the full timeout.
+What does end a blocked gloo operation at once is a failed connection. So
+:class:`GroupConnections` remembers the TCP connections gloo opened while a group formed,
+and :meth:`GroupConnections.cut` shuts them down (``shutdown(2)``, not ``close``: gloo still
+owns the descriptors and closes them when the group is destroyed). Every pending and later
+operation of that group then raises "Connection closed by peer" on this rank, and on each
+peer connected to it, which the run loop already handles as a failed collective: restore
+the last commit and re-form. nccl has a real abort, which :class:`HangWatchdog` uses.
+
+:class:`HangWatchdog` decides when: a member of the group this peer trains in has lost its
+lease (its key is gone from the watched view), or this peer itself lost its lease. It first
+gives the training thread ``grace_s`` to leave the group on its own, at its next
+``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
+group that is still current after the grace is cut. Collectives on subgroups that user code
+creates with ``dist.new_group`` are not covered: they wait for their own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+log = logging.getLogger(__name__)
+
+_FD_DIR = "/proc/self/fd"
+
+
+def socket_inodes() -> dict[int, int]:
+    """``{socket inode: fd}`` of this process (empty where ``/proc`` is missing)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"{_FD_DIR}/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def _open_socket(fd: int, inode: int) -> socket.socket | None:
+    """A duplicate of ``fd`` if it still is socket ``inode`` (fds are reused), else None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            os.close(dup)
+            return None
+        return socket.socket(fileno=dup)  # owns dup; family and type read from the kernel
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def _peer_of(sock: socket.socket) -> tuple[str, int] | None:
+    """The remote (host, port) of a connected TCP socket, else None (listeners included)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return None
+    try:
+        peer = sock.getpeername()
+    except OSError:  # not connected: a listener. Shutting gloo's listener down kills the
+        return None  # process (its accept loop treats the error as fatal).
+    return peer[0], peer[1]
+
+
+class GroupConnections:
+    """The TCP connections one process group opened, remembered so they can be cut.
+
+    Use :meth:`capture` around ``init_process_group``: connections that appear during the
+    block and lead anywhere but ``exclude`` (the etcd endpoints, whose client may reconnect
+    meanwhile) belong to the group. gloo connects its full mesh during init, unless
+    ``TORCH_GLOO_LAZY_INIT`` is set; then nothing is captured and a hang waits for the
+    collective timeout, as without this class.
+    """
+
+    def __init__(self, inodes: Iterable[int] = ()) -> None:
+        self.inodes = frozenset(inodes)
+        self.cut_count = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def capture(cls, exclude: Callable[[str, int], bool] = lambda host, port: False,
+                ) -> Iterator[GroupConnections]:
+        found = cls()
+        before = socket_inodes()
+        yield found
+        kept = []
+        for inode, fd in socket_inodes().items():
+            if inode in before:
+                continue
+            sock = _open_socket(fd, inode)
+            if sock is None:
+                continue
+            with sock:
+                peer = _peer_of(sock)
+            if peer is not None and not exclude(*peer):
+                kept.append(inode)
+        found.inodes = frozenset(kept)
+
+    def cut(self) -> int:
+        """Shut down every remembered connection that is still open; return how many."""
+        count = 0
+        by_inode = socket_inodes()
+        for inode in self.inodes:
+            fd = by_inode.get(inode)
+            if fd is None:
+                continue
+            sock = _open_socket(fd, inode)
+            if sock is None:
+                continue
+            with sock:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+                except OSError:  # already reset by the other side
+                    pass
+        self.cut_count += count
+        return count
+
+
+def endpoint_matcher(endpoints: Iterable[tuple[str, int]]) -> Callable[[str, int], bool]:
+    """A predicate that is true for the addresses the given ``(host, port)`` resolve to."""
+    addresses: set[tuple[str, int]] = set()
+    for host, port in endpoints:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        for info in infos:
+            addresses.add((str(info[4][0]), port))
+
+    def match(host: str, port: int) -> bool:
+        if host.startswith("::ffff:"):  # an IPv4 peer on a dual-stack socket
+            return (host, port) in addresses or (host[7:], port) in addresses
+        return (host, port) in addresses
+
+    return match
+
+
+class HangWatchdog:
+    """Frees this peer from a collective that waits on a peer whose lease is gone.
+
+    ``lost_peer()`` says why the current group cannot complete (or None while it can);
+    ``current()`` returns the group object this peer is in (None between groups); ``abort``
+    abandons a group's in-flight collectives. ``wait_change(version, timeout, until)`` is the
+    job view's wait, so the watchdog wakes on membership changes and on :meth:`poke`, not by
+    polling.
+    """
+
+    def __init__(
+        self,
+        *,
+        current: Callable[[], object | None],
+        lost_peer: Callable[[object], str | None],
+        abort: Callable[[object, str], None],
+        wait_change: Callable[[int, float, Callable[[], bool]], int],
+        wake: Callable[[], None],
+        grace_s: Callable[[], float],
+    ) -> None:
+        self._current = current
+        self._lost_peer = lost_peer
+        self._abort = abort
+        self._wait_change = wait_change
+        self._wake = wake
+        self._grace_s = grace_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.aborted = 0
+
+    def start(self) -> HangWatchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def poke(self) -> None:
+        """The current group changed: look again."""
+        self._wake()
+
+    def _run(self) -> None:
+        version = -1
+        seen: object | None = None
+        while not self._stop.is_set():
+            group = self._current()
+            why = self._lost_peer(group) if group is not None else None
+            if why is not None:
+                self._handle(group, why)
+            seen = group
+            # Membership changes bump the view's version; group changes arrive by poke().
+            version = self._wait_change(
+                version, 5.0, lambda s=seen: self._stop.is_set() or self._current() is not s)
+
+    def _handle(self, group: object, why: str) -> None:
+        """Give the training thread the grace to leave ``group``; cut it if it did not."""
+        grace = self._grace_s()
+        log.info("%s: the group is abandoned unless this peer leaves it within %.1f s",
+                 why, grace)
+        deadline = time.monotonic() + grace
+        version = -1
+        while not self._stop.is_set() and self._current() is group:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.aborted += 1
+                self._abort(group, why)
+                break
+            version = self._wait_change(
+                version, left, lambda: self._stop.is_set() or self._current() is not group)
+        # Once cut (or left), wait for the group to change before judging again.
+        while not self._stop.is_set() and self._current() is group:
+            version = self._wait_change(
+                version, 5.0, lambda: self._stop.is_set() or self._current() is not group)
+

@@ -1,0 +1,208 @@
+"""Abandoning a collective stuck on a peer whose lease is gone.
+
+Unit tests of the two pieces on real sockets and a fake group (no torch), then the real
+thing: gloo peers over a real etcd, one of them SIGSTOPped while the others wait for it in
+a collective whose timeout is far longer than the test's bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
+from tests.helpers.procs import Cluster, PeerProc
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    yield srv
+    srv.close()
+
+
+def test_capture_keeps_new_connections_but_not_listeners_older_ones_or_etcd(listener) -> None:
+    etcd = socket.socket()
+    etcd.bind(("127.0.0.1", 0))
+    etcd.listen()
+    old = socket.create_connection(listener.getsockname())
+    old_server, _ = listener.accept()
+    to_etcd_matcher = endpoint_matcher([("localhost", etcd.getsockname()[1])])
+    with GroupConnections.capture(exclude=to_etcd_matcher) as found:
+        extra_listener = socket.socket()
+        extra_listener.bind(("127.0.0.1", 0))
+        extra_listener.listen()
+        mine = socket.create_connection(listener.getsockname())
+        to_etcd = socket.create_connection(etcd.getsockname())
+    try:
+        assert found.inodes == {os.fstat(mine.fileno()).st_ino}
+    finally:
+        for s in (etcd, old, old_server, extra_listener, mine, to_etcd):
+            s.close()
+
+
+def test_cut_wakes_a_blocked_receive_on_both_ends_and_leaves_the_fd_open(listener) -> None:
+    with GroupConnections.capture() as found:
+        mine = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    got: dict[str, object] = {}
+
+    def receive(name: str, s: socket.socket) -> None:
+        try:
+            got[name] = s.recv(10)
+        except OSError as exc:
+            got[name] = exc
+
+    threads = [threading.Thread(target=receive, args=(n, s), daemon=True)
+               for n, s in (("mine", mine), ("theirs", theirs))]
+    for t in threads:
+        t.start()
+    assert found.cut() == 1
+    for t in threads:
+        t.join(10)
+    assert got == {"mine": b"", "theirs": b""}  # both see the connection end at once
+    assert mine.fileno() >= 0  # shut down, not closed: the owner closes it
+    assert found.cut() == 1  # idempotent: shutting down again is harmless
+    mine.close()
+    theirs.close()
+    assert found.cut() == 0  # a closed fd (maybe reused by now) is left alone
+
+
+class FakeGroups:
+    """A group slot and a lost-peer verdict the test controls; wakes like the job view."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.version = 0
+        self.current: object | None = None
+        self.why: str | None = None
+        self.aborted: list[tuple[object, str]] = []
+
+    def set(self, **changes: object) -> None:
+        with self.cond:
+            for k, v in changes.items():
+                setattr(self, k, v)
+            self.version += 1
+            self.cond.notify_all()
+
+    def wait_change(self, version: int, timeout: float, until) -> int:  # noqa: ANN001
+        with self.cond:
+            self.cond.wait_for(lambda: self.version != version or until(), timeout)
+            return self.version
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def abort(self, group: object, why: str) -> None:
+        with self.cond:
+            self.aborted.append((group, why))
+            self.cond.notify_all()
+
+    def watchdog(self, grace: float) -> HangWatchdog:
+        return HangWatchdog(current=lambda: self.current, lost_peer=lambda g: self.why,
+                            abort=self.abort, wait_change=self.wait_change, wake=self.wake,
+                            grace_s=lambda: grace)
+
+
+def test_watchdog_cuts_a_group_still_current_after_the_grace() -> None:
+    fake = FakeGroups()
+    dog = fake.watchdog(grace=0.2).start()
+    try:
+        group = object()
+        fake.set(current=group)
+        fake.set(why="m1 lost its lease")
+        with fake.cond:
+            assert fake.cond.wait_for(lambda: fake.aborted, 10)
+        assert fake.aborted == [(group, "m1 lost its lease")]
+        # Still the same group: it is not cut twice.
+        fake.set(why="m1 lost its lease (again)")
+        with fake.cond:
+            assert not fake.cond.wait_for(lambda: len(fake.aborted) > 1, 0.5)
+        # A new group that also lost a peer is judged afresh.
+        second = object()
+        fake.set(current=second)
+        with fake.cond:
+            assert fake.cond.wait_for(lambda: len(fake.aborted) == 2, 10)
+        assert fake.aborted[1][0] is second
+    finally:
+        dog.stop()
+
+
+def test_watchdog_spares_a_group_the_training_thread_leaves_within_the_grace() -> None:
+    fake = FakeGroups()
+    dog = fake.watchdog(grace=3.0).start()
+    try:
+        fake.set(current=object())
+        fake.set(why="m1 lost its lease")
+        fake.set(current=None, why=None)  # the next check_host_updates left the group
+        with fake.cond:
+            assert not fake.cond.wait_for(lambda: fake.aborted, 4.0)
+    finally:
+        dog.stop()
+    assert dog.aborted == 0
+
+
+# -- the real thing ------------------------------------------------------------------------
+
+SETTINGS = {
+    "PEER_ELASTIC_LEASE_TTL": 3,
+    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
+    "PEER_ELASTIC_START_SETTLE": 1.0,
+    # Far beyond the bound the test waits: only abandoning the collective can meet it.
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 600,
+    "PEER_ELASTIC_MIN_NP": 1,
+    "WORKER_SAMPLES": 960,
+    "WORKER_STEP_S": 0.03,
+    "WORKER_EPOCHS": 2,
+}
+
+
+@pytest.fixture
+def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
+    c = Cluster(etcd, unique_job, **SETTINGS)
+    yield c
+    c.close()
+
+
+def _lines(p: PeerProc, prefix: str) -> list[str]:
+    with p.cond:
+        return [line for line in p.lines if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_survivors_abandon_a_collective_stuck_on_a_stopped_leader(cluster: Cluster) -> None:
+    a, b, c = cluster.start(3)
+    for p in (a, b, c):
+        p.wait_line("GEN", timeout=90)
+    b.wait_line("STEP", after=len(b.lines), timeout=60)
+    # a is the oldest: rank 0 and the leader. Stopped, it leaves b and c blocked in the
+    # next gradient all-reduce; they must re-form without it long before the 600 s
+    # collective timeout: its lease (3 s) ends, b leads, and the grace (1.5 s) passes.
+    seen = len(b.lines)
+    a.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    line = b.wait_line("GEN", after=seen, timeout=90)
+    took = time.monotonic() - stopped
+    assert line.split()[3] == "2", line
+    assert "abandoning generation" in b.output() + c.output()
+    print(f"re-formed {took:.2f} s after SIGSTOP")
+    assert took < 90  # bounded above by the wait; the 600 s timeout was never reached
+    b.wait_line("STEP", after=len(b.lines), timeout=60)  # training goes on
+    # Woken up, a finds its lease gone and its connections cut: it rejoins as a new member.
+    seen = len(b.lines)
+    a.signal(signal.SIGCONT)
+    b.wait_line("GEN", after=seen, timeout=120)
+    for p in (a, b, c):
+        assert p.wait(240) == 0, p.output()
+    results = [json.loads(line.split(" ", 1)[1]) for p in (a, b, c) for line in _lines(p, "RESULT")]
+    assert len(results) == 1 and results[0]["exact"] and results[0]["identical"], results
