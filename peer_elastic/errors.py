@@ -26,6 +26,10 @@ class EtcdUnavailable(EtcdError):
     """
 
 
+class EtcdRequestTooLarge(EtcdError):
+    """etcd refused a request over its size limit (``--max-request-bytes``, 1.5 MiB)."""
+
+
 class EtcdAuthError(EtcdError):
     """etcd refused the credentials (user/password or client certificate)."""
 

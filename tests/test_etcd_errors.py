@@ -75,3 +75,44 @@ def test_quota_exceeded_is_a_clear_error() -> None:
             assert "compact" in str(err.value)
         finally:
             client.close()
+
+
+def test_a_roster_too_big_for_one_request_is_capped_and_the_rest_wait() -> None:
+    """etcd (here with a 3 KB request limit) refuses the generation record of 40 members:
+    the leader says so once, caps the roster, and the others wait as standbys."""
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.coordinator import Coordinator
+    from peer_elastic.etcd.lease import LeaseKeeper
+    from peer_elastic.etcd.view import JobView
+    from peer_elastic.records import EventRecord, decode
+
+    settings = JobSettings(start_settle_s=0.5, settle_s=0.05, lease_ttl_s=5, join_timeout_s=2)
+    host = "a-host-name-long-enough-to-make-member-ids-big"
+    with EtcdServer(extra_args=["--max-request-bytes=3000"]) as server:
+        client = EtcdClient(server.endpoint, retry_budget_s=5)
+        keeper = LeaseKeeper(client)
+        view = JobView(client, "big")
+        coords = [Coordinator(client, "big", settings, host=host, view=view, keeper=keeper)
+                  for _ in range(40)]
+        try:
+            for c in coords:
+                c.start()
+            snap = view.wait_for(lambda s: s.generation is not None
+                                 and set(s.generation.roster) <= s.ready_for(s.generation.number),
+                                 30)
+            assert snap is not None and snap.generation is not None
+            roster = snap.generation.roster
+            assert 1 <= len(roster) < 40
+            assert "roster capped" in snap.generation.reason
+            assert all(c.error is None for c in coords)
+            standbys = [c for c in coords if c.assignment() is None]
+            assert len(standbys) == 40 - len(roster)
+            kvs, _ = client.get_prefix(coords[0].keys.events_prefix)
+            events = [decode(EventRecord, kv.value, kv.key) for kv in kvs]
+            told = [e for e in events if e.kind == "generation too large"]
+            assert told and "--max-request-bytes" in told[0].detail
+        finally:
+            for c in coords:
+                c.close()
+            keeper.stop()
+            client.close()

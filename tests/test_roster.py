@@ -133,3 +133,24 @@ def test_departures_below_min_np_write_a_waiting_generation() -> None:
     s = snap(["a-1", "c-1"], gen=(5, []))
     p = plan_next_generation(s, cfg(min_np=2), {}, 100)
     assert p.roster == ("a-1", "c-1") and p.needs_sync
+
+
+def test_roster_is_capped_by_its_byte_budget_and_the_reason_says_so() -> None:
+    from peer_elastic.etcd.roster import roster_bytes
+
+    members = [f"host{i:02d}-1" for i in range(20)]  # 9 bytes each, 12 with framing
+    s = snap(members, changed_at=0.0)
+    p = plan_next_generation(s, cfg(min_np=1), set(), 5.0, roster_budget=12 * 5)
+    assert isinstance(p, GenerationPlan)
+    assert p.roster == tuple(members[:5])  # the oldest that fit; the rest are standbys
+    assert roster_bytes(p.roster) <= 12 * 5
+    assert "roster capped at 5 members" in p.reason and "15 more" in p.reason
+
+
+def test_reasons_name_a_few_members_and_count_the_rest() -> None:
+    members = [f"host{i:02d}-1" for i in range(30)]
+    s = snap(members, gen=(1, members[:2]), ready=members[:2], changed_at=0.0)
+    p = plan_next_generation(s, cfg(min_np=1), set(), 5.0)
+    assert isinstance(p, GenerationPlan) and len(p.joined) == 28
+    assert "joined: host02-1,host03-1," in p.reason and "(+20 more)" in p.reason
+    assert len(p.reason) < 200

@@ -34,6 +34,7 @@ from etcd3 import etcdrpc
 from peer_elastic.errors import (
     EtcdAuthError,
     EtcdError,
+    EtcdRequestTooLarge,
     EtcdUnavailable,
     LeaseNotFound,
     RevisionCompacted,
@@ -249,7 +250,7 @@ def map_error(exc: BaseException, what: str) -> Exception:
         ):
             return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
         if "too large" in details or "larger than max" in details:
-            return EtcdError(f"{what}: request too large for etcd ({details})")
+            return EtcdRequestTooLarge(f"{what}: request too large for etcd ({details})")
         if "space exceeded" in details:
             return EtcdError(
                 f"{what}: etcd is out of space ({details}); compact and defragment it, or "

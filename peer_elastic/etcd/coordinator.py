@@ -36,6 +36,7 @@ from peer_elastic.errors import (
     ConfigError,
     ElasticTimeout,
     EtcdError,
+    EtcdRequestTooLarge,
     JobFinished,
     LeaseLost,
     LeaveRequested,
@@ -46,7 +47,14 @@ from peer_elastic.errors import (
 from peer_elastic.etcd.client import EtcdClient, Txn
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.lease import LeaseKeeper, Session
-from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
+from peer_elastic.etcd.roster import (
+    ROSTER_BUDGET_BYTES,
+    GenerationPlan,
+    Wait,
+    plan_next_generation,
+    roster_bytes,
+    silent_members,
+)
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.records import (
     AckRecord,
@@ -141,6 +149,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
+        # Lowered when etcd refuses a generation record as too large (a server started with
+        # a --max-request-bytes below the default): the next plan caps the roster under it.
+        self.roster_budget = ROSTER_BUDGET_BYTES
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -564,7 +575,7 @@ class Coordinator:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None
         self._count_failures(snap, cfg)
-        plan = plan_next_generation(snap, cfg, silent, now)
+        plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget)
         if isinstance(plan, Wait):
             if silent or gen is None or plan.until is not None:
                 return plan.until
@@ -642,10 +653,14 @@ class Coordinator:
         # Drain records of members already gone (bounded: etcd allows 128 ops per txn).
         ops += [Txn.delete(keys.drain(m)) for m in sorted(snap.drains)
                 if m not in snap.members][:20]
-        ok = self.client.compare_and_put(
-            keys.generation, encode(rec), snap.generation_mod_revision, run_lease,
-            extra_compare=guards, extra_ops=ops,
-        )
+        try:
+            ok = self.client.compare_and_put(
+                keys.generation, encode(rec), snap.generation_mod_revision, run_lease,
+                extra_compare=guards, extra_ops=ops,
+            )
+        except EtcdRequestTooLarge as exc:
+            self._shrink_roster_budget(plan, exc)
+            return
         if not ok:
             self.stats["cas_lost"] += 1
             log.debug("generation %d: another writer won", plan.number)
@@ -657,6 +672,24 @@ class Coordinator:
             if member is not None:
                 self.stats["dropped"] += 1
                 self.client.revoke(member.record.lease_id)
+
+    def _shrink_roster_budget(self, plan: GenerationPlan, exc: EtcdRequestTooLarge) -> None:
+        """etcd refused generation ``plan`` as too large: halve the roster budget, so the
+        next plan leaves the rest as standbys, or fail clearly if the roster is minimal."""
+        size = roster_bytes(plan.roster)
+        cfg = self.config
+        if len(plan.roster) <= max(1, cfg.min_np):
+            raise PeerElasticError(
+                f"etcd refused generation {plan.number} of {len(plan.roster)} members as too "
+                f"large ({exc}); even min_np={cfg.min_np} members do not fit. Raise etcd's "
+                "--max-request-bytes (default 1.5 MiB).")
+        self.roster_budget = min(self.roster_budget, size) // 2
+        msg = (f"etcd refused generation {plan.number} of {len(plan.roster)} members "
+               f"({size} bytes of member ids) as too large; the roster is capped at "
+               f"{self.roster_budget} bytes from now on, the other members wait as standbys. "
+               "Raise etcd's --max-request-bytes to admit them.")
+        log.error("%s", msg)
+        self._event("generation too large", detail=msg)
 
     def _write_done(self, success: bool, reason: str) -> None:
         assert self.keys is not None and self.run is not None

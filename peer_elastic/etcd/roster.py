@@ -11,6 +11,9 @@ Rules:
   then adds newcomers oldest first, up to ``max_np``. Rank 0 is therefore the oldest
   surviving holder of the training state; a newcomer never becomes rank 0 while one survives.
 * No roster is formed with fewer than ``min_np`` members.
+* A roster fits in ``roster_budget`` bytes of member ids (:data:`ROSTER_BUDGET_BYTES`), so
+  the generation record (roster, joined and removed lists) stays under etcd's request size
+  limit. Members beyond it wait as standbys, as beyond ``max_np``.
 * Joins and graceful leaves wait ``settle_s`` of quiet so a burst becomes one generation;
   the first generation waits ``start_settle_s`` unless ``max_np`` members are already there.
   A broken generation or a silent member is acted on at once.
@@ -50,9 +53,38 @@ class Wait:
 #: etcd allows 128 operations per transaction; each dropped member costs one guard.
 MAX_DROPS_PER_GENERATION = 100
 
+#: Member-id bytes one roster may hold. A generation record carries the roster and the
+#: joined and removed lists (each at most a roster), so 384 KiB keeps it well under etcd's
+#: default 1.5 MiB request limit: about 10,000 members with ids of 30-40 bytes.
+ROSTER_BUDGET_BYTES = 384 << 10
+
+#: Member ids named in a reason string (the rest are counted).
+_IDS_IN_REASON = 8
+
+
+def roster_bytes(ids: Collection[str]) -> int:
+    """What ``ids`` cost in a generation record (protobuf: tag + length + bytes each)."""
+    return sum(len(i.encode()) + 3 for i in ids)
+
+
+def _fit(ids: list[str], budget: int) -> list[str]:
+    used = 0
+    for k, i in enumerate(ids):
+        used += len(i.encode()) + 3
+        if used > budget:
+            return ids[:k]
+    return ids
+
+
+def _names(ids: Collection[str]) -> str:
+    shown = list(ids)[:_IDS_IN_REASON]
+    more = len(ids) - len(shown)
+    return ",".join(shown) + (f" (+{more} more)" if more > 0 else "")
+
 
 def plan_next_generation(
-    snap: ViewSnapshot, cfg: JobConfig, silent: Collection[str], now: float
+    snap: ViewSnapshot, cfg: JobConfig, silent: Collection[str], now: float,
+    roster_budget: int = ROSTER_BUDGET_BYTES,
 ) -> GenerationPlan | Wait:
     gen = snap.generation
     prev = tuple(gen.roster) if gen is not None else ()
@@ -65,7 +97,9 @@ def plan_next_generation(
     # Paused: the roster is frozen against joins (they wait as standbys), but departures,
     # crashes and broken generations are still handled so training can go on.
     newcomers = [] if cfg.paused else [m for m in eligible if m not in set(survivors)]
-    roster = tuple((survivors + newcomers)[: cfg.max_np or None])
+    wanted = (survivors + newcomers)[: cfg.max_np or None]
+    roster = tuple(_fit(wanted, roster_budget))
+    capped = len(wanted) - len(roster)
     broken = gen is not None and any(m in prev for m in snap.broken.get(gen.number, {}))
 
     if cfg.paused and gen is None:
@@ -79,7 +113,7 @@ def plan_next_generation(
             return GenerationPlan(
                 number=gen.number + 1,  # type: ignore[union-attr]
                 roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
-                f"(gone: {','.join(gone)})", needs_sync=False, joined=(), removed=tuple(gone),
+                f"(gone: {_names(gone)})", needs_sync=False, joined=(), removed=tuple(gone),
                 dropped=tuple(m for m in prev if m in silent_now), broken=broken)
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
     quiet = now - snap.membership_changed_at
@@ -100,14 +134,17 @@ def plan_next_generation(
     if gen is None:
         parts.append("first generation")
     if broken:
-        parts.append("broken by " + ",".join(sorted(snap.broken[gen.number])))  # type: ignore[union-attr]
+        parts.append("broken by " + _names(sorted(snap.broken[gen.number])))  # type: ignore[union-attr]
     if dropped:
-        parts.append("dropped (no ack within join_timeout): " + ",".join(dropped))
+        parts.append("dropped (no ack within join_timeout): " + _names(dropped))
     left = [m for m in removed if m not in dropped]
     if left:
-        parts.append("left: " + ",".join(left))
+        parts.append("left: " + _names(left))
     if joined and gen is not None:
-        parts.append("joined: " + ",".join(joined))
+        parts.append("joined: " + _names(joined))
+    if capped:
+        parts.append(f"roster capped at {len(roster)} members by the record size limit "
+                     f"({capped} more wait as standbys)")
     return GenerationPlan(
         number=(gen.number if gen is not None else 0) + 1,
         roster=roster,
