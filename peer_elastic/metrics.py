@@ -168,13 +168,16 @@ def _number(gen: Any) -> float:
 class _CoordinatorStats:
     """``Coordinator.stats`` as counters, read at scrape time:
     ``peer_elastic_coordinator_<name>_total`` (generations_written, cas_lost, rejoins,
-    dropped: what this peer's coordination thread did)."""
+    dropped: what this peer's coordination thread did; collectives_abandoned: what its hang
+    watchdog did)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
         "cas_lost": "Generation writes this peer lost to a concurrent leader (compare-and-swap)",
         "rejoins": "Times this peer re-registered after losing its lease",
         "dropped": "Silent members this peer dropped as leader (no ack within join_timeout)",
+        "collectives_abandoned": "Groups whose stuck collectives this peer abandoned because "
+                                 "a member's lease ended",
     }
 
     def __init__(self, coord: Any) -> None:

@@ -171,7 +171,10 @@ class GroupManager:
             return str(coord.error)
         if coord.incarnation != group.incarnation:
             return f"this peer lost its lease during generation {group.assignment.generation}"
-        members = coord.snapshot().members
+        snap = coord.snapshot()
+        if snap.done is not None:
+            return None  # finished: peers leave one by one, nothing is stuck
+        members = snap.members
         gone = [m for m in group.assignment.roster if m not in members]
         if gone:
             return (f"{', '.join(gone)} of generation {group.assignment.generation} "
@@ -201,6 +204,9 @@ class GroupManager:
                         self.collective_timeout_s)
             return False
         self.abandoned += 1
+        stats = getattr(self.coordinator, "stats", None)
+        if isinstance(stats, dict):
+            stats["collectives_abandoned"] = stats.get("collectives_abandoned", 0) + 1
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
 
