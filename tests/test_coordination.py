@@ -25,7 +25,7 @@ from peer_elastic.errors import (
     ResetLimitExceeded,
 )
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.etcd.coordinator import Coordinator, drain
+from peer_elastic.etcd.coordinator import Coordinator, drain, update_config
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.roster import Wait, plan_next_generation
 from peer_elastic.etcd.view import JobView
@@ -422,3 +422,31 @@ def test_members_sharing_a_keeper_keep_the_run_alive_when_one_closes(
             c.close()
         keeper.stop()
         client.close()
+
+
+def test_two_jobs_on_one_etcd_do_not_disturb_each_other(etcd: str, unique_job: str) -> None:
+    """Job names where one is a prefix of the other: joins, a pause, a drain and a crash in
+    one job leave the other's generations, settings and members untouched."""
+    a_job, b_job = unique_job, unique_job + "-2"
+    a_peers, b_peers = Peers(etcd, a_job), Peers(etcd, b_job)
+    try:
+        a1, a2 = a_peers.start(2)
+        b1, b2 = b_peers.start(2)
+        wait_gen([a1, a2], lambda g: len(g.roster) == 2)
+        b_gen, _ = wait_gen([b1, b2], lambda g: len(g.roster) == 2)
+        update_config(a1.client, a_job, {"paused": True, "max_np": 3})
+        drain(a1.client, a_job, a2.member_id)
+        wait_gen([a1], lambda g: g.roster == [a1.member_id])
+        a1.close(leave=False)  # a crash-like exit of job a's leader
+        a_peers.start(1)
+        # Job b saw none of it: same generation, settings, members.
+        snap = b1.snapshot()
+        assert snap.generation.number == b_gen.number
+        assert set(snap.members) == {b1.member_id, b2.member_id}
+        assert not snap.run.config.paused and snap.run.config.max_np == b1.config.max_np
+        assert not snap.drains and b1.error is None and b2.error is None
+        with pytest.raises(ConfigError, match="has no member"):
+            drain(b1.client, b_job, a2.member_id)  # a member of job a is not one of b's
+    finally:
+        a_peers.close()
+        b_peers.close()
