@@ -195,3 +195,43 @@ def test_unreachable_etcd_gives_one_clear_error() -> None:
     assert "Traceback" not in msg and "_InactiveRpcError" not in msg
     assert took < 10
     client.close()
+
+
+@pytest.mark.cluster
+def test_etcd_leader_changes_cost_no_generation_and_no_member(etcd_cluster, unique_job) -> None:
+    """Three times: SIGKILL the etcd leader, wait for a new one, bring the old one back.
+    The peers' leases and watches ride through every election: no spurious generation,
+    nobody dropped or re-registered, and a join afterwards forms exactly one generation."""
+    eps = etcd_cluster.endpoint_string
+    settings = JobSettings(**{**FAST, "lease_ttl_s": 5.0})
+    clients = [EtcdClient(eps, retry_budget_s=30) for _ in range(3)]
+    coords = [Coordinator(c, unique_job, settings).start() for c in clients[:2]]
+    try:
+        snap = coords[0].view.wait_for(
+            lambda s: s.generation is not None and len(s.generation.roster) == 2, 15)
+        assert snap is not None
+        gen, members = snap.generation.number, set(snap.members)
+        for _ in range(3):
+            old = etcd_cluster.leader_index()
+            assert old is not None
+            etcd_cluster.kill(old)
+            deadline = time.monotonic() + 30
+            while etcd_cluster.leader_index() in (None, old):  # bounded: a new election
+                assert time.monotonic() < deadline, "no new etcd leader within 30 s"
+                time.sleep(0.1)
+            etcd_cluster.start_member(old)
+        coords.append(Coordinator(clients[2], unique_job, settings).start())
+        for c in coords:
+            s = c.view.wait_for(lambda s: s.generation is not None
+                                and len(s.generation.roster) == 3, 30)
+            assert s is not None
+            assert s.generation.number == gen + 1, s.generation.reason
+            assert members <= set(s.members)
+            assert c.error is None
+        assert [c.stats["rejoins"] for c in coords] == [0, 0, 0]
+        assert [c.stats["dropped"] for c in coords] == [0, 0, 0]
+    finally:
+        for c in coords:
+            c.close()
+        for c in clients:
+            c.close()
