@@ -167,6 +167,8 @@ class GroupManager:
         did this peer if it re-registered since the group formed.
         """
         coord = self.coordinator
+        if group.assignment.size <= 1:
+            return None  # alone: no collective can wait on anyone
         if coord.error is not None:
             return str(coord.error)
         if coord.incarnation != group.incarnation:
