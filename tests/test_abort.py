@@ -7,7 +7,6 @@ a collective whose timeout is far longer than the test's bound.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
-from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.procs import Cluster, results
 
 
 @pytest.fixture
@@ -174,11 +173,6 @@ def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
     c.close()
 
 
-def _lines(p: PeerProc, prefix: str) -> list[str]:
-    with p.cond:
-        return [line for line in p.lines if line.startswith(prefix)]
-
-
 @pytest.mark.slow
 def test_survivors_abandon_a_collective_stuck_on_a_stopped_leader(cluster: Cluster) -> None:
     a, b, c = cluster.start(3)
@@ -204,5 +198,5 @@ def test_survivors_abandon_a_collective_stuck_on_a_stopped_leader(cluster: Clust
     b.wait_line("GEN", after=seen, timeout=120)
     for p in (a, b, c):
         assert p.wait(240) == 0, p.output()
-    results = [json.loads(line.split(" ", 1)[1]) for p in (a, b, c) for line in _lines(p, "RESULT")]
-    assert len(results) == 1 and results[0]["exact"] and results[0]["identical"], results
+    found = results([a, b, c])
+    assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found

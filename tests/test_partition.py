@@ -14,7 +14,6 @@ Needs root and network namespaces; skipped (with the reason) where they are unav
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -27,7 +26,7 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import EtcdServer
 from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
-from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.procs import Cluster, PeerProc, results
 
 pytestmark = pytest.mark.slow
 
@@ -222,11 +221,10 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
     # 4. The job finishes: every sample once, every rank identical, no process left behind.
     for p in (a, b, c):
         assert p.wait(180) == 0, p.output()
-    results = [json.loads(line.split(" ", 1)[1]) for p in (a, b, c) for line in p.lines
-               if line.startswith("RESULT ")]
-    assert len(results) == 1, results
-    assert results[0]["exact"] and results[0]["identical"], results[0]
-    assert results[0]["world"] == 3, results[0]
+    found = results([a, b, c])
+    assert len(found) == 1, found
+    assert found[0]["exact"] and found[0]["identical"], found[0]
+    assert found[0]["world"] == 3, found[0]
     assert netns.pids() == [], "processes left inside the namespace"
     print(f"partition ({cut} cut, {netns.cut_mode}): world of 3 after {t_cut - t0:.1f} s, "
           f"cut -> world of 2 in {t_reformed - t_cut:.1f} s, heal -> world of 3 in "

@@ -162,8 +162,8 @@ class HangWatchdog:
     ``lost_peer()`` says why the current group cannot complete (or None while it can);
     ``current()`` returns the group object this peer is in (None between groups); ``abort``
     abandons a group's in-flight collectives. ``wait_change(version, timeout, until)`` is the
-    job view's wait, so the watchdog wakes on membership changes and on :meth:`poke`, not by
-    polling.
+    job view's wait, so the watchdog wakes on membership changes and on ``wake()``, which
+    the group manager calls whenever its group changes; it never polls.
     """
 
     def __init__(
@@ -198,10 +198,6 @@ class HangWatchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def poke(self) -> None:
-        """The current group changed: look again."""
-        self._wake()
-
     def _run(self) -> None:
         version = -1
         seen: object | None = None
@@ -211,7 +207,7 @@ class HangWatchdog:
             if why is not None:
                 self._handle(group, why)
             seen = group
-            # Membership changes bump the view's version; group changes arrive by poke().
+            # Membership changes bump the view's version; group changes arrive by wake().
             version = self._wait_change(
                 version, 5.0, lambda s=seen: self._stop.is_set() or self._current() is not s)
 

@@ -85,7 +85,6 @@ class GroupManager:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.current: FormedGroup | None = None
         self.attempts = 0
-        self.abandoned = 0  # groups whose in-flight collectives were abandoned
         self._store: EtcdStore | None = None
         self._connections = GroupConnections()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
@@ -205,10 +204,7 @@ class GroupManager:
                         "end at the collective timeout (%.0f s)", why, n,
                         self.collective_timeout_s)
             return False
-        self.abandoned += 1
-        stats = getattr(self.coordinator, "stats", None)
-        if isinstance(stats, dict):
-            stats["collectives_abandoned"] = stats.get("collectives_abandoned", 0) + 1
+        self.coordinator.stats["collectives_abandoned"] += 1
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,6 +79,16 @@ class PeerProc:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def results(peers: list[PeerProc]) -> list[dict]:
+    """Every ``RESULT <json>`` line the peers printed, decoded (rank 0 prints exactly one)."""
+    out = []
+    for p in peers:
+        with p.cond:
+            out += [json.loads(line.split(" ", 1)[1]) for line in p.lines
+                    if line.startswith("RESULT ")]
+    return out
 
 
 class Cluster:
