@@ -62,15 +62,21 @@ ROSTER_BUDGET_BYTES = 384 << 10
 _IDS_IN_REASON = 8
 
 
+def _id_bytes(member_id: str) -> int:
+    """One roster entry in a generation record (protobuf: tag + length + bytes)."""
+    return len(member_id.encode()) + 3
+
+
 def roster_bytes(ids: Collection[str]) -> int:
-    """What ``ids`` cost in a generation record (protobuf: tag + length + bytes each)."""
-    return sum(len(i.encode()) + 3 for i in ids)
+    """What ``ids`` cost in a generation record."""
+    return sum(_id_bytes(i) for i in ids)
 
 
 def _fit(ids: list[str], budget: int) -> list[str]:
+    """The longest prefix of ``ids`` within ``budget`` bytes."""
     used = 0
     for k, i in enumerate(ids):
-        used += len(i.encode()) + 3
+        used += _id_bytes(i)
         if used > budget:
             return ids[:k]
     return ids
