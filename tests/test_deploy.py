@@ -284,7 +284,7 @@ def env_vars_read_by_peer_elastic() -> set[str]:
     """Every PEER_ELASTIC_* variable the package's code reads (found in its source)."""
     names = {f.env for f in JOB_FIELDS} | {ENV_ENDPOINTS}
     pattern = re.compile(
-        r"""(?:_env|environ\.get|getenv)\(\s*["'](PEER_ELASTIC_[A-Z0-9_]+)["']""")
+        r"""(?:_env(?:_flag)?|environ\.get|getenv)\(\s*["'](PEER_ELASTIC_[A-Z0-9_]+)["']""")
     for py in (ROOT / "peer_elastic").rglob("*.py"):
         names |= set(pattern.findall(py.read_text()))
     return names
@@ -351,6 +351,7 @@ def test_env_example_values_are_valid_and_defaults_true() -> None:
             assert f.kind(value) == f.default, f"{name}: example says {value}, default {f.default}"
     assert commented.get("PEER_ELASTIC_COLLECTIVE_TIMEOUT") == "30"  # api.py's default
     assert commented.get("PEER_ELASTIC_BACKEND") == "auto"
+    assert commented.get("PEER_ELASTIC_ABANDON_COLLECTIVES") == "1"  # api.py's default
 
 
 # --- etcd configs -------------------------------------------------------------------------------
