@@ -34,6 +34,11 @@ class EtcdAuthError(EtcdError):
     """etcd refused the credentials (user/password or client certificate)."""
 
 
+class EtcdTLSError(EtcdAuthError):
+    """A TLS handshake with etcd failed over certificates: another attempt will fail the same
+    way. The message says which setting to fix (CA, client certificate, key)."""
+
+
 class LeaseNotFound(EtcdError):
     """The lease used for a request no longer exists (expired or revoked)."""
 

@@ -6,8 +6,6 @@ binary behaves when started, killed, restarted and stopped.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import re
 import signal
@@ -32,6 +30,7 @@ from peer_elastic.etcd_server import (
     find_etcd_binary,
     free_port,
 )
+from tests.helpers.pki import write_pki
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -333,81 +332,8 @@ def test_atexit_kills_forgotten_server(tmp_path: Path) -> None:
 # --- TLS --------------------------------------------------------------------------------------
 
 
-def _write_pki(directory: Path) -> dict[str, Path]:
-    """CA, server cert (IP SAN 127.0.0.1) and client cert, written as PEM files."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(name("peer-elastic test CA"))
-        .issuer_name(name("peer-elastic test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def leaf(cn: str, usages: list[x509.ObjectIdentifier]) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-                ),
-                critical=False,
-            )
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
-        return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
-
-    server_cert, server_key = leaf(
-        "etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    )
-    client_cert, client_key = leaf("client", [ExtendedKeyUsageOID.CLIENT_AUTH])
-    files = {
-        "ca": ca_cert.public_bytes(serialization.Encoding.PEM),
-        "server_cert": server_cert,
-        "server_key": server_key,
-        "client_cert": client_cert,
-        "client_key": client_key,
-    }
-    paths = {}
-    for label, content in files.items():
-        path = directory / f"{label}.pem"
-        path.write_bytes(content)
-        path.chmod(0o600)
-        paths[label] = path
-    return paths
-
-
 def test_tls_with_client_cert_auth(tmp_path: Path) -> None:
-    pki = _write_pki(tmp_path)
+    pki = write_pki(tmp_path)
     srv = EtcdServer(
         cert_file=pki["server_cert"],
         key_file=pki["server_key"],
@@ -440,7 +366,7 @@ def test_tls_with_client_cert_auth(tmp_path: Path) -> None:
 
 
 def test_tls_server_only(tmp_path: Path) -> None:
-    pki = _write_pki(tmp_path)
+    pki = write_pki(tmp_path)
     with EtcdServer(cert_file=pki["server_cert"], key_file=pki["server_key"]) as srv:
         assert srv.healthy()
         client = etcd3.client("127.0.0.1", srv.client_port, ca_cert=str(pki["ca"]), timeout=5)

@@ -32,12 +32,22 @@ import tenacity
 from etcd3 import etcdrpc
 
 from peer_elastic.errors import (
+    ConfigError,
     EtcdAuthError,
     EtcdError,
     EtcdRequestTooLarge,
+    EtcdTLSError,
     EtcdUnavailable,
     LeaseNotFound,
     RevisionCompacted,
+)
+from peer_elastic.etcd.tls import (
+    CA_VAR,
+    CERT_VAR,
+    KEY_VAR,
+    TLSConfig,
+    certificate_problem,
+    connection_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -107,15 +117,6 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[EndpointSpec]:
             f"no etcd endpoint given (pass --etcd host:port[,host:port...] or set {ENV_ENDPOINTS})"
         )
     return out
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    """Files for TLS: the CA that signed the servers, and an optional client cert and key."""
-
-    ca_cert: str
-    cert: str | None = None
-    key: str | None = None
 
 
 # --- values returned to callers -------------------------------------------------------------------
@@ -191,6 +192,10 @@ class Txn:
 
 # --- error mapping ---------------------------------------------------------------------------------
 
+#: How long a TLS handshake refused over certificates is retried (failover to the other
+#: endpoints takes well under this) before the call fails with :class:`EtcdTLSError`.
+TLS_RETRY_S = 2.0
+
 _TRANSIENT_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -210,6 +215,20 @@ def _rpc_details(exc: BaseException) -> str:
         return str(exc.details())  # type: ignore[attr-defined]
     except Exception:
         return str(exc)
+
+
+def _root_details(exc: BaseException) -> str:
+    """What went wrong, from the gRPC error behind ``exc`` where there is one: the etcd3
+    client wraps a failed connection in a bare ``ConnectionFailedError`` whose own text says
+    nothing (the cause says "Connection refused", or why a TLS handshake failed)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, grpc.RpcError):
+            return _rpc_details(cur)
+        cur = cur.__cause__ or cur.__context__
+    return str(exc) or type(exc).__name__
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -305,7 +324,10 @@ class EtcdClient:
             )
         creds = None
         if tls is not None:
-            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(tls.ca_cert, tls.key, tls.cert)
+            files = tls.load()  # checked here: gRPC aborts the process on a cert without key
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=files.ca_cert, private_key=files.key,
+                certificate_chain=files.cert)
         self._secure = secure
         eps = [
             etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s,
@@ -366,10 +388,20 @@ class EtcdClient:
                     raise _Retry() from exc
                 raise
 
+        def retryable(exc: BaseException) -> bool:
+            if isinstance(exc, _Retry):
+                return True
+            if not is_transient(exc):
+                return False
+            # A certificate verdict repeats on every attempt: retry only long enough for
+            # failover to reach the other endpoints (one of them may hold a good certificate).
+            return (certificate_problem(_root_details(exc)) is None
+                    or time.monotonic() - started < min(budget, TLS_RETRY_S))
+
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_delay(budget),
             wait=tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05),
-            retry=tenacity.retry_if_exception(lambda e: isinstance(e, _Retry) or is_transient(e)),
+            retry=tenacity.retry_if_exception(retryable),
             reraise=True,
         )
         try:
@@ -378,13 +410,17 @@ class EtcdClient:
             raise EtcdAuthError(f"{what}: could not renew the etcd auth token") from None
         except BaseException as exc:
             if is_transient(exc):
+                detail = _root_details(last[0] if last else exc)
+                problem = certificate_problem(detail)
+                if problem is not None:
+                    raise EtcdTLSError(
+                        f"{what}: TLS handshake with etcd ({self.describe()}) failed: "
+                        f"{problem} (gRPC: {detail})") from None
                 waited = time.monotonic() - started
-                detail = _rpc_details(last[0]) if last else type(exc).__name__
-                if isinstance(exc, _TRANSIENT_CLIENT_ERRORS) and not str(exc):
-                    detail = type(exc).__name__
                 raise EtcdUnavailable(
                     f"{what}: no etcd endpoint answered ({self.describe()}) "
                     f"within {waited:.1f} s; last error: {detail}"
+                    f"{connection_hint(detail, self._secure)}"
                 ) from None
             raise map_error(exc, what) from None
 
@@ -597,9 +633,16 @@ def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:
     endpoints = endpoints or os.environ.get(ENV_ENDPOINTS)
     if not endpoints:
         raise EtcdError(f"no etcd endpoints: pass them or set {ENV_ENDPOINTS}")
+    # Literal names: tests/test_deploy.py finds the variables a peer reads by these calls.
     ca = os.environ.get("PEER_ELASTIC_ETCD_CA") or None
     cert = os.environ.get("PEER_ELASTIC_ETCD_CERT") or None
     key = os.environ.get("PEER_ELASTIC_ETCD_KEY") or None
+    if ca is None and (cert or key):
+        # Without a CA there is no TLS at all: the certificate would be silently unused and
+        # the connection plaintext.
+        raise ConfigError(f"{CERT_VAR if cert else KEY_VAR} is set but {CA_VAR} is not: a "
+                          f"client certificate is only used over TLS, which needs {CA_VAR} "
+                          "(the CA that signed etcd's certificate) and https:// endpoints")
     return EtcdClient(endpoints, tls=TLSConfig(ca, cert, key) if ca else None,
                       user=os.environ.get("PEER_ELASTIC_ETCD_USER") or None,
                       password=os.environ.get("PEER_ELASTIC_ETCD_PASSWORD") or None, **kwargs)
