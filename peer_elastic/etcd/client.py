@@ -642,7 +642,7 @@ def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:
         # the connection plaintext.
         raise ConfigError(f"{CERT_VAR if cert else KEY_VAR} is set but {CA_VAR} is not: a "
                           f"client certificate is only used over TLS, which needs {CA_VAR} "
-                          "(the CA that signed etcd's certificate) and https:// endpoints")
+                          "(the CA that signed etcd's certificate)")
     return EtcdClient(endpoints, tls=TLSConfig(ca, cert, key) if ca else None,
                       user=os.environ.get("PEER_ELASTIC_ETCD_USER") or None,
                       password=os.environ.get("PEER_ELASTIC_ETCD_PASSWORD") or None, **kwargs)
