@@ -17,12 +17,15 @@ When the elastic loop must call what (``TorchState`` does it through its sampler
 * once a new process group exists: ``reset()`` (``TorchState.on_reset`` calls it), which
   re-partitions for the new world; this alone is enough when the sync is skipped (e.g. a
   removals-only change), because ``record_batch`` keeps the progress identical on every rank;
-* when state is synchronised: ``sync()``, which adopts rank 0's epoch, merges every rank's
-  progress with one all-reduce and re-partitions;
+* when state is synchronised: ``sync()``, which adopts the sync source's epoch and progress
+  (a broadcast, never a merge: progress belongs to the model state it was recorded with,
+  and the source's model is the one everybody adopts) and re-partitions;
 * after ``restore()`` of a commit: nothing extra, ``load_state_dict`` re-partitions.
 
 Progress recorded on one rank only (``record_indices``, or ``record_all_ranks=False``) must be
-merged (``sync``/``merge``) before a re-partition; ``reset`` warns when it is not.
+merged (``merge``) while the ranks still hold the same model state: the run loop does it in
+every commit and before every reset (``has_local_progress`` tells it when). ``reset`` warns
+when a re-partition finds unmerged progress.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     Args:
         dataset: anything with ``len()``; its length must not change.
         shuffle: visit samples in a permutation that depends on ``(seed, epoch)`` only.
-        seed: must be the same on every rank (``sync`` adopts rank 0's).
+        seed: must be the same on every rank (``sync`` adopts the sync source's).
         pad: ``True`` (Horovod's behaviour) repeats a few samples so every shard has the same
             length, which keeps ranks in lockstep. ``False`` repeats nothing: every unprocessed
             sample is in exactly one shard and shard lengths differ by at most one.
@@ -122,7 +125,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             finish batch ``batch_idx`` together. The progress is then the same on every rank
             without any communication and survives the crash of the rank that processed a
             sample (like Horovod's current ``processed_num`` counter). ``False``: mark only
-            this rank's samples; the ranks' progress is merged at ``sync()``.
+            this rank's samples; the run loop merges the ranks' progress in every
+            commit and before every reset (one all-reduce of the bitmap).
     """
 
     def __init__(
@@ -237,7 +241,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._processed[done] = 1
 
     def record_indices(self, indices: Iterable[int] | torch.Tensor) -> None:
-        """Mark dataset indices as processed on this rank (merged at ``sync``/``merge``)."""
+        """Mark dataset indices as processed on this rank (merged at the next commit or reset by
+        the run loop, or by ``merge``)."""
         idx = torch.as_tensor(indices if isinstance(indices, torch.Tensor) else list(indices))
         idx = idx.to(torch.int64).reshape(-1)
         n = self._processed.numel()
@@ -245,6 +250,12 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise IndexError(f"sample index out of range for a dataset of {n}")
         self._processed[idx] = 1
         self._unmerged = True
+
+    @property
+    def has_local_progress(self) -> bool:
+        """True while this rank holds recorded progress that was not merged with the other
+        ranks (``record_indices``, or ``record_batch`` with ``record_all_ranks=False``)."""
+        return self._unmerged
 
     @property
     def processed_count(self) -> int:
@@ -283,11 +294,12 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise ValueError("ElasticSampler: dataset length differs between ranks")
 
     def sync(self) -> None:
-        """Adopt rank 0's epoch/seed/settings, merge progress of all ranks, re-partition.
+        """Adopt the sync source's epoch, seed, settings and progress; re-partition.
 
-        Collective (two collectives: a 40-byte header broadcast and the bitmap all-reduce).
-        Ranks whose epoch differs from rank 0's drop their progress, which belongs to
-        another epoch. If the dataset length differs anywhere, every rank raises ValueError.
+        Collective: a 40-byte header broadcast, a one-byte all-reduce that makes a dataset
+        length mismatch raise ValueError on every rank, and the bitmap broadcast. Progress is
+        taken from the source, not merged: it must come with the model state it describes
+        (merge local records with ``merge`` before the ranks' states can diverge).
         """
         if _world_from_dist()[1] <= 1:
             self.reset()
@@ -298,16 +310,14 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         )
         _collective_inplace(header, "broadcast")
         epoch, seed, n0, shuffle, pad = (int(v) for v in header.tolist())
-        if n0 != n:
-            # Still take part in the all-reduce (with rank 0's length) so nobody hangs.
-            wire = torch.zeros(n0 + 1, dtype=torch.uint8)
-            wire[-1] = 1
-            _collective_inplace(wire, "all_reduce")
-            raise ValueError(f"ElasticSampler: dataset has {n} samples here but {n0} on rank 0")
-        if epoch != self.epoch:
-            self._processed.zero_()
+        mismatch = torch.tensor([int(n0 != n)], dtype=torch.uint8)
+        _collective_inplace(mismatch, "all_reduce")
+        if mismatch.item():
+            raise ValueError(f"ElasticSampler: dataset length differs between ranks ({n} here, "
+                             f"{n0} on the sync source)")
+        _collective_inplace(self._processed, "broadcast")
         self.epoch, self.seed, self.shuffle, self.pad = epoch, seed, bool(shuffle), bool(pad)
-        self.merge()
+        self._unmerged = False
         self.reset()
 
     # --- checkpointing --------------------------------------------------------------------

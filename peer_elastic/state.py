@@ -2,7 +2,8 @@
 
 ``State.commit()`` saves a copy in memory and checks for a pending membership change;
 ``restore()`` returns to the last commit after a failed collective; ``sync()`` makes every
-rank hold rank 0's state after a new process group is formed.
+rank hold the sync source's state (rank 0 unless the run loop chose another) after a new
+process group is formed.
 
 Why it is shaped this way:
 
@@ -13,21 +14,23 @@ Why it is shaped this way:
 * Anything received from another peer is untrusted input: plain values travel as tagged JSON,
   never pickle. Types the codec does not know need a registered handler.
 
-How the elastic run loop uses a state (see ``peer_elastic.errors`` for the exceptions)::
+How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
 
-    state._bind(checker)          # raises HostsUpdatedInterrupt when a generation is pending
-    skip_sync = False
+    state.attach(checker)          # commit() and check_host_updates() go through it
     while True:
-        try:
-            if not skip_sync:
-                state.sync()          # collective; rank 0's state wins
-            return train(state)       # calls state.commit() every few batches
-        except InternalError:
-            state.restore(); skip_sync = False
-        except HostsUpdatedInterrupt as e:
-            skip_sync = e.skip_sync   # keep live state
         <form the new process group>
-        state.on_reset()              # handlers' reset (samplers re-partition), then callbacks
+        state.on_reset()           # handlers' reset (samplers re-partition), then callbacks
+        <agree on the newest state version; sync from a rank holding it if ranks differ>
+        try:
+            return train(state)    # calls state.commit() every few batches
+        except HostsUpdatedInterrupt:
+            pass                   # keep live state (progress was merged first)
+        except <a collective failed>:
+            state.restore()
+
+The checker makes a commit safe under failures: it first agrees with the other ranks (one
+all-reduce), merges progress some rank recorded only locally (``record_indices``), and only
+then calls ``record_commit()`` (save and count); see ``peer_elastic.agreement``.
 """
 
 from __future__ import annotations
@@ -381,14 +384,18 @@ class _Buffers:
 # State, ObjectState
 # ======================================================================================
 
-HostChecker = Callable[[], None]
+HostChecker = Callable[["State", bool], None]
+"""What ``commit()`` (``committing=True``) and ``check_host_updates()`` call once a run loop
+attached one: ``checker(state, committing)``. It may raise HostsUpdatedInterrupt; when
+committing it calls ``state.record_commit()`` once the ranks agreed."""
 
 
 class State:
     """Everything that must agree across ranks; base of ObjectState and TorchState.
 
-    ``commit()`` = ``save()`` + ``check_host_updates()``. The elastic loop binds a checker
-    with ``_bind``; without one (e.g. plain single-process runs) the check is a no-op.
+    ``commit()`` saves the state in memory and checks for membership changes. The elastic
+    loop attaches a checker with :meth:`attach`; without one (e.g. plain single-process
+    runs) the check is a no-op and a commit just saves.
     """
 
     def __init__(self) -> None:
@@ -397,22 +404,42 @@ class State:
         self.commit_count = 0
         self.last_commit_time: float | None = None
 
-    def _bind(self, checker: HostChecker | None) -> None:
-        """Set (or clear, with None) the function ``check_host_updates`` calls. The run loop
-        binds one that raises HostsUpdatedInterrupt when a new generation is pending."""
+    def attach(self, checker: HostChecker | None) -> None:
+        """Route ``commit()`` and ``check_host_updates()`` through ``checker`` (None
+        detaches). The elastic run loop attaches one for the duration of ``Peer.run``."""
         self._checker = checker
 
     def commit(self) -> None:
-        """Save in memory, then check for membership changes (which may raise)."""
+        """Save in memory, then check for membership changes (which may raise).
+
+        Under the run loop, the save happens after the ranks agreed in the check's
+        collective and merged any locally recorded progress, so a commit either exists on a
+        rank with every rank's progress in it, or not at all.
+        """
+        if self._checker is None:
+            self.record_commit()
+        else:
+            self._checker(self, True)
+
+    def record_commit(self) -> None:
+        """Save and count one commit: the local half of ``commit()``."""
         self.save()
         self.commit_count += 1
         self.last_commit_time = time.time()
-        self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise HostsUpdatedInterrupt (through the bound checker) if a reset is pending."""
+        """Raise HostsUpdatedInterrupt (through the attached checker) if a reset is pending."""
         if self._checker is not None:
-            self._checker()
+            self._checker(self, False)
+
+    def has_local_progress(self) -> bool:
+        """True while this rank holds progress the other ranks do not know yet (samples
+        marked with ``record_indices`` or ``record_all_ranks=False`` since the last merge)."""
+        return False
+
+    def merge_progress(self) -> None:
+        """Collective: merge every rank's locally recorded progress. Every rank calls it when
+        any rank has local progress (the run loop decides that in one all-reduce)."""
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Add zero-argument callables run by ``on_reset`` in registration order (e.g. to
@@ -443,7 +470,8 @@ class State:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Collective: make every rank's live state equal to rank 0's."""
+        """Collective: make every rank's live state equal to the sync source's (rank 0
+        unless the run loop chose the rank holding the newest state)."""
         raise NotImplementedError
 
 
@@ -525,6 +553,13 @@ class StateHandler:
 
     def reset(self) -> None:
         """Local work after membership changed (before sync). Default: nothing."""
+
+    def has_local_progress(self) -> bool:
+        """True while this object holds progress recorded on this rank only."""
+        return False
+
+    def merge_progress(self) -> None:
+        """Collective: merge locally recorded progress of every rank. Default: nothing."""
 
     def layout(self) -> str:
         """Structure that must be identical on every rank for ``sync`` to work; checked with
@@ -842,6 +877,12 @@ class SamplerHandler(StateHandler):
     def reset(self) -> None:
         self.value.reset()
 
+    def has_local_progress(self) -> bool:
+        return self.value.has_local_progress
+
+    def merge_progress(self) -> None:
+        self.value.merge()
+
     def layout(self) -> str:
         return f"ElasticSampler:{len(self.value.dataset)}"
 
@@ -979,3 +1020,12 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         for handler in self._ordered_handlers():
             handler.reset()
+
+    def has_local_progress(self) -> bool:
+        return any(h.has_local_progress() for h in self._handlers.values())
+
+    def merge_progress(self) -> None:
+        # Every handler, in a fixed order: the collectives must match on every rank, also on
+        # a rank whose own sampler recorded nothing.
+        for handler in self._ordered_handlers():
+            handler.merge_progress()

@@ -208,16 +208,18 @@ def test_reassigning_a_handled_attribute_gets_a_new_handler() -> None:
 # --- host updates and reset --------------------------------------------------------------------
 
 
-def test_commit_saves_then_raises_from_the_bound_checker() -> None:
+def test_commit_saves_then_raises_from_the_attached_checker() -> None:
     state = ObjectState(batch=0)
-    state.commit()  # unbound: no-op check
+    state.commit()  # detached: just a save
     pending = {"flag": False}
 
-    def checker() -> None:
+    def checker(s: State, committing: bool) -> None:
+        if committing:  # the run loop's checker saves once the ranks agreed
+            s.record_commit()
         if pending["flag"]:
             raise HostsUpdatedInterrupt(skip_sync=True)
 
-    state._bind(checker)
+    state.attach(checker)
     state.batch = 4
     state.commit()
     pending["flag"] = True
@@ -229,7 +231,7 @@ def test_commit_saves_then_raises_from_the_bound_checker() -> None:
     state.restore()
     assert state.batch == 5  # the save happened before the check raised
     assert state.commit_count == 3
-    state._bind(None)
+    state.attach(None)
     state.check_host_updates()
 
 

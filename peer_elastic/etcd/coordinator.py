@@ -85,7 +85,7 @@ class Assignment:
     rank: int
     size: int
     roster: tuple[str, ...]
-    needs_sync: bool
+    joined: bool  # admitted in this generation (a newcomer or a returning member)
     reason: str
 
 
@@ -338,7 +338,7 @@ class Coordinator:
         if gen is None or self.member_id not in gen.roster:
             return None
         return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
-                          tuple(gen.roster), gen.needs_sync, gen.reason)
+                          tuple(gen.roster), self.member_id in gen.joined, gen.reason)
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
         """Raise whatever ends this peer's participation: done, fatal error."""
