@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from peer_elastic import logs
-from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
+from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     InternalError,
@@ -41,8 +41,8 @@ from peer_elastic.errors import (
     PeerElasticError,
 )
 from peer_elastic.etcd.coordinator import Coordinator
-from peer_elastic.sampler import syncing_from
 from peer_elastic.torch.abort import HangWatchdog
+from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
@@ -343,35 +343,6 @@ class Peer:
         if self._watchdog is not None:
             self._watchdog.stop()
         self.groups.destroy()
-
-
-def agree_and_sync(state: Any, claim: Claim, device: torch.device) -> Agreement:
-    """Agree on the newest state version, then sync from a rank holding it if needed.
-
-    Collective over the default group. One all-gather of every rank's :class:`Claim` (four
-    integers each); every rank applies :func:`peer_elastic.agreement.agree` to the same list,
-    so all sync from the same source, or all skip the sync when every rank already holds the
-    same version and nobody asked for state. The state everybody ends with is saved as the
-    new restore point: a failure before the next commit must not roll a rank back to what it
-    held before.
-    """
-    mine = torch.tensor(claim.as_ints(), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    claims = [Claim.from_ints(t.tolist()) for t in gathered]
-    agreement = agree(claims)
-    if agreement.source is None:
-        return agreement
-    if len({c.version for c in claims}) > 1:
-        log.info("state versions differ (%s): adopting %s from rank %d",
-                 ", ".join(str(c.version.as_ints()) for c in claims),
-                 agreement.version.as_ints(), agreement.source)
-    with syncing_from(agreement.source):
-        state.sync()
-    if hasattr(state, "commit_count"):
-        state.commit_count = agreement.version.commits
-    state.save()
-    return agreement
 
 
 class _Publisher:

@@ -30,7 +30,6 @@ when a re-partition finds unmerged progress.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Sized
@@ -38,63 +37,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from peer_elastic.torch.collectives import (
+    all_reduce_max_inplace,
+    broadcast_inplace,
+    world_from_dist,
+)
 
 __all__ = ["ElasticSampler"]
-
-
-def _world_from_dist() -> tuple[int, int]:
-    """(rank, world size) of the default group, or (0, 1) when there is none."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _staging_device() -> torch.device | None:
-    """Device a CPU tensor must be moved to for a collective, or None if CPU works.
-
-    A pure NCCL group cannot communicate CPU tensors; gloo (and mixed ``cpu:gloo,cuda:nccl``
-    groups) can.
-    """
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-_sync_source = 0
-
-
-def sync_source() -> int:
-    """The rank every state broadcast comes from: 0, unless :func:`syncing_from` says else."""
-    return _sync_source
-
-
-@contextlib.contextmanager
-def syncing_from(src: int) -> Iterator[None]:
-    """Make ``sync()`` broadcast from rank ``src``.
-
-    The run loop uses it after a failure that left one rank a commit ahead of rank 0: the
-    newest commit is consistent everywhere (progress is recorded for all ranks at once), so
-    everyone adopts it instead of losing a step of work.
-    """
-    global _sync_source
-    previous, _sync_source = _sync_source, int(src)
-    try:
-        yield
-    finally:
-        _sync_source = previous
-
-
-def _collective_inplace(tensor: torch.Tensor, op: str) -> None:
-    """Run ``broadcast`` from the sync source or ``all_reduce(MAX)`` on a CPU tensor, in place."""
-    stage = _staging_device()
-    wire = tensor.to(stage) if stage is not None else tensor
-    if op == "broadcast":
-        dist.broadcast(wire, src=_sync_source)
-    else:
-        dist.all_reduce(wire, op=dist.ReduceOp.MAX)
-    if wire is not tensor:
-        tensor.copy_(wire.cpu())
 
 
 def _pad_to_multiple(indices: torch.Tensor, world: int) -> torch.Tensor:
@@ -179,7 +129,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         Purely local (no collective). Call it once the new process group exists; every rank
         must hold the same progress first (``record_all_ranks=True`` or a ``sync()``/``merge``).
         """
-        self.rank, self.num_replicas = self._pinned_world or _world_from_dist()
+        self.rank, self.num_replicas = self._pinned_world or world_from_dist()
         if self._unmerged and self.num_replicas > 1:
             warnings.warn(
                 "ElasticSampler re-partitioned while holding progress recorded on this rank "
@@ -285,9 +235,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         Collective: every rank of the default group must call it, with the same dataset
         length and epoch (``sync`` ensures both). Does not re-partition; call ``reset``.
         """
-        if _world_from_dist()[1] <= 1:
+        if world_from_dist()[1] <= 1:
             return
-        _collective_inplace(self._wire, "all_reduce")
+        all_reduce_max_inplace(self._wire)
         self._unmerged = False
         if self._wire[-1]:
             self._wire[-1] = 0
@@ -301,21 +251,21 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         taken from the source, not merged: it must come with the model state it describes
         (merge local records with ``merge`` before the ranks' states can diverge).
         """
-        if _world_from_dist()[1] <= 1:
+        if world_from_dist()[1] <= 1:
             self.reset()
             return
         n = self._processed.numel()
         header = torch.tensor(
             [self.epoch, self.seed, n, int(self.shuffle), int(self.pad)], dtype=torch.int64
         )
-        _collective_inplace(header, "broadcast")
+        broadcast_inplace(header)
         epoch, seed, n0, shuffle, pad = (int(v) for v in header.tolist())
         mismatch = torch.tensor([int(n0 != n)], dtype=torch.uint8)
-        _collective_inplace(mismatch, "all_reduce")
+        all_reduce_max_inplace(mismatch)
         if mismatch.item():
             raise ValueError(f"ElasticSampler: dataset length differs between ranks ({n} here, "
                              f"{n0} on the sync source)")
-        _collective_inplace(self._processed, "broadcast")
+        broadcast_inplace(self._processed)
         self.epoch, self.seed, self.shuffle, self.pad = epoch, seed, bool(shuffle), bool(pad)
         self._unmerged = False
         self.reset()

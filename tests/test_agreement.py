@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
-from peer_elastic.elastic import agree_and_sync
 from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import TorchState
+from peer_elastic.torch.collectives import agree_and_sync
 from tests.helpers.world import run_world as _run_world
 
 V = StateVersion

@@ -14,22 +14,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.errors import HostsUpdatedInterrupt
-from peer_elastic.sampler import ElasticSampler
-from peer_elastic.state import (
+from peer_elastic.handlers import (
     ModuleHandler,
-    ObjectState,
-    State,
     StateHandler,
-    TorchState,
-    broadcast_plain,
-    broadcast_tensors,
-    decode_values,
-    encode_values,
     make_handler,
     register_handler,
     unregister_handler,
 )
+from peer_elastic.sampler import ElasticSampler
+from peer_elastic.state import ObjectState, State, TorchState
+from peer_elastic.torch.collectives import broadcast_plain, broadcast_tensors
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -69,11 +65,14 @@ def _assert_same(a: Any, b: Any, path: str = "") -> None:
 
 @pytest.fixture
 def clean_registry():
-    from peer_elastic import state as state_mod
+    from peer_elastic import handlers
 
-    saved = list(state_mod._user_handlers)
+    saved = handlers.registered_handlers()
     yield
-    state_mod._user_handlers[:] = saved
+    for type_, _ in handlers.registered_handlers():
+        unregister_handler(type_)
+    for type_, factory in saved:
+        register_handler(type_, factory)
 
 
 # --- commit / restore ------------------------------------------------------------------------
