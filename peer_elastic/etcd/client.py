@@ -281,6 +281,22 @@ def map_error(exc: BaseException, what: str) -> Exception:
 
 # --- the client ------------------------------------------------------------------------------------
 
+
+@dataclass
+class FaultInjection:
+    """Test hook of :class:`EtcdClient` (``client.faults = FaultInjection(...)``).
+
+    ``before(what)`` runs before every attempt of a request (``what`` names it, e.g.
+    ``"transaction on /peer-elastic/job/run"``); it may block or raise. ``lose_response(what)``
+    runs after an attempt that etcd answered: when it returns True the answer is dropped and
+    the attempt fails with a transient error, exactly as when a connection breaks after etcd
+    applied a write (an *ambiguous* failure). The client then retries as it always does,
+    which is what makes non-idempotent writes dangerous and what the tests provoke.
+    """
+
+    before: Callable[[str], None] | None = None
+    lose_response: Callable[[str], bool] | None = None
+
 # gRPC backs off reconnecting exponentially (1 s, 1.6 s, 2.6 s, ... up to 2 min). After an etcd
 # restart that can delay the first keep-alive past a short lease TTL, although etcd itself
 # is back and has restored the lease with its full TTL. Reconnect quickly and often instead.
@@ -344,6 +360,7 @@ class EtcdClient:
         #: etcd is disrupted, other members' requests may stall for a full timeout.
         self.disrupted_at = 0.0
         self._raft_term = 0
+        self.faults: FaultInjection | None = None  # tests only; see FaultInjection
         if user is not None:
             self._call(self._authenticate, "authenticate")
 
@@ -378,7 +395,14 @@ class EtcdClient:
 
         def attempt() -> T:
             try:
-                return fn()
+                faults = self.faults
+                if faults is not None and faults.before is not None:
+                    faults.before(what)
+                result = fn()
+                if faults is not None and faults.lose_response is not None \
+                        and faults.lose_response(what):
+                    raise etcd_exc.ConnectionTimeoutError(f"injected: the answer to {what} was lost")
+                return result
             except BaseException as exc:
                 last[:] = [exc]
                 if is_transient(exc):
@@ -485,7 +509,8 @@ class EtcdClient:
                     out.append(r)
             return ok, out
 
-        return self._call(do, "transaction")
+        first = next((op.key for op in [*compare, *success] if hasattr(op, "key")), "")
+        return self._call(do, f"transaction on {first}" if first else "transaction")
 
     def create(self, key: str, value: bytes, lease: int | None = None) -> tuple[bool, KeyValue | None]:
         """Create ``key`` only if absent. Returns (created, the existing value if not)."""
