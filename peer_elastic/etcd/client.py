@@ -345,6 +345,8 @@ class EtcdClient:
                 root_certificates=files.ca_cert, private_key=files.key,
                 certificate_chain=files.cert)
         self._secure = secure
+        if user is not None and not secure:
+            _warn_plaintext_password(self.describe())
         eps = [
             etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s,
                            opts=_CHANNEL_OPTIONS)
@@ -645,6 +647,24 @@ class EtcdClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_plaintext_warned: set[str] = set()
+_plaintext_lock = threading.Lock()
+
+
+def _warn_plaintext_password(endpoints: str) -> None:
+    """Warn once per process and endpoint list: it is allowed (etcd's own clients do it),
+    but the operator should know what it costs."""
+    with _plaintext_lock:
+        if endpoints in _plaintext_warned:
+            return
+        _plaintext_warned.add(endpoints)
+    log.warning(
+        "etcd password auth over plaintext (%s): the password and the auth token cross the "
+        "network unencrypted, so anyone who can see the traffic can act as this etcd user. "
+        "Use TLS: set PEER_ELASTIC_ETCD_CA (the CA of etcd's server certificate) so every "
+        "endpoint is https; see docs/security.md", endpoints)
 
 
 class _Retry(Exception):
