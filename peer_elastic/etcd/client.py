@@ -186,6 +186,11 @@ class Txn:
         return etcd3.transactions.Delete(key)
 
     @staticmethod
+    def delete_range(start: str, end: str) -> Any:
+        """Delete every key in [start, end)."""
+        return etcd3.transactions.Delete(start, range_end=end)
+
+    @staticmethod
     def get(key: str) -> Any:
         return etcd3.transactions.Get(key)
 
@@ -268,6 +273,9 @@ def map_error(exc: BaseException, what: str) -> Exception:
             and any(s in details for s in ("user name", "authentication", "auth", "permission"))
         ):
             return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
+        if "Received message larger than max" in details:
+            return EtcdRequestTooLarge(
+                f"{what}: etcd's answer is larger than the client accepts ({details})")
         if "too large" in details or "larger than max" in details:
             return EtcdRequestTooLarge(f"{what}: request too large for etcd ({details})")
         if "space exceeded" in details:
@@ -460,15 +468,54 @@ class EtcdClient:
 
         return self._call(do, f"get {key}")
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """All keys under ``prefix`` and the store revision they were read at."""
+    def get_prefix(self, prefix: str, page_size: int = 1000) -> tuple[list[KeyValue], int]:
+        """All keys under ``prefix`` and the store revision they were read at.
 
-        def do() -> tuple[list[KeyValue], int]:
-            resp = self._raw.get_prefix_response(prefix)
+        Read in pages of at most ``page_size`` keys, every page at the revision of the first,
+        so the result is one consistent picture however large: a single answer over gRPC's
+        4 MiB receive limit would fail, every time (an event log that grew, a big store). A
+        page still over the limit is read again in halves.
+        """
+        end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+        for _attempt in range(5):
+            start: bytes = etcd3.utils.to_bytes(prefix)
+            revision: int | None = None
+            limit = max(1, page_size)
+            out: list[KeyValue] = []
+            try:
+                while True:
+                    try:
+                        resp = self._call(
+                            lambda s=start, r=revision, n=limit: self._raw.get_range_response(
+                                s, end, limit=n, revision=r), f"get prefix {prefix}")
+                    except EtcdRequestTooLarge:
+                        if limit == 1:
+                            raise
+                        limit = max(1, limit // 2)
+                        continue
+                    self.note_header(resp.header)
+                    if revision is None:
+                        revision = resp.header.revision
+                    out += [KeyValue.from_pb(kv) for kv in resp.kvs]
+                    if not resp.more or not resp.kvs:
+                        return out, revision
+                    start = resp.kvs[-1].key + b"\0"
+            except EtcdError as exc:
+                if "compacted" not in str(exc):
+                    raise
+                # The revision of the first page was compacted mid-read: read again, newer.
+                log.info("get prefix %s: %s; reading again", prefix, exc)
+        raise EtcdError(f"get prefix {prefix}: etcd compacted each revision the read started at")
+
+    def first_keys(self, prefix: str, limit: int) -> list[str]:
+        """The first ``limit`` keys under ``prefix`` in key order (keys only: no values)."""
+
+        def do() -> list[str]:
+            resp = self._raw.get_prefix_response(prefix, limit=limit, keys_only=True)
             self.note_header(resp.header)
-            return [KeyValue.from_pb(kv) for kv in resp.kvs], resp.header.revision
+            return [kv.key.decode("utf-8", "replace") for kv in resp.kvs]
 
-        return self._call(do, f"get prefix {prefix}")
+        return self._call(do, f"list keys {prefix}")
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         """Store ``value``; returns the revision of the write."""
