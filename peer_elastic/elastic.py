@@ -14,7 +14,8 @@ One pass of :meth:`Peer.run`::
          HostsUpdatedInterrupt -> keep live state, back to the top
          a failed collective   -> restore the last commit, mark the generation broken,
                                   back to the top
-         it returns            -> rank 0 writes `done`; every peer returns the result
+         it returns            -> every rank records `done` (the first write stays) and
+                                  returns the result once etcd holds it
 
 ``check_host_updates()`` (also inside ``commit()``) does no etcd I/O: it reads the watched
 generation from memory and runs one tiny all-reduce, so every roster member raises
@@ -315,11 +316,11 @@ class Peer:
                                    gen.number, timings)
 
     def _finish(self) -> None:
-        if self.rank == 0:
-            try:
-                self.coordinator.finish(True, "training function returned")
-            except PeerElasticError as exc:
-                log.warning("could not record that the job finished: %s", exc)
+        # Every rank records the end (create-if-absent: the first record stays), and none
+        # returns before etcd holds it: were it left to rank 0 alone, its death or one failed
+        # write would make the next peer to start train the finished job again. finish()
+        # retries while etcd is unreachable and raises a clear error if that lasts.
+        self.coordinator.finish(True, "training function returned")
 
     def _leave(self, why: str, wait_s: float = 10.0) -> None:
         """We are out of the roster: wait (bounded) until the others formed, then go."""

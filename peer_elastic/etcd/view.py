@@ -79,6 +79,7 @@ class _RunState:
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
     done: DoneRecord | None = None
+    events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class ViewSnapshot:
     departures: tuple[Departure, ...]  # recent leaves, oldest first
     alive: Mapping[int, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
     connected_at: float = 0.0  # time.monotonic() when the watch last (re)connected
+    event_count: int = 0  # keys under events/ (the leader prunes the oldest beyond a cap)
 
     @property
     def generation_number(self) -> int:
@@ -339,7 +341,7 @@ class JobView:
         elif head == "done" and len(path) == 1:
             st.done = decode(DoneRecord, kv.value, kv.key)
         elif head == "events":
-            return
+            st.events.add(kv.key)  # counted for pruning; records are read by the CLI only
         else:
             raise RecordError(f"{kv.key}: unexpected key under the run prefix")
 
@@ -385,6 +387,8 @@ class JobView:
                 self._membership_changed_at = time.monotonic()  # the host is eligible again
         elif head == "failures" and len(path) == 2:
             st.failures.pop(path[1], None)
+        elif head == "events":
+            st.events.discard(key)
         elif head == "progress":
             st.progress = None
         elif head == "done":
@@ -414,6 +418,7 @@ class JobView:
             departures=tuple(self._departures),
             alive=MappingProxyType({n: frozenset(s) for n, s in st.alive.items()}),
             connected_at=self._watch.connected_at,
+            event_count=len(st.events),
         )
 
 
