@@ -20,8 +20,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   record_all_ranks=False)`` with ``record_batch``.
 * ``WORKER_PLAIN=1``: plain values in the state that must stay consistent with the model: an
   int ``steps`` (batches stepped, empty ones included) and a float ``samples`` (samples
-  trained, from the model's own count). At the end ``samples`` must equal the trained
-  epochs x N, and both are part of the digest.
+  trained, from the model's own count). At the end ``samples`` must equal the model's total
+  count (``plain_ok``; the oracle checks that total), and both are part of the digest.
 * ``WORKER_DDP=1``: average gradients with DistributedDataParallel, rebuilt in a reset
   callback (the README's recipe), instead of pe.DistributedOptimizer.
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
@@ -181,7 +181,7 @@ def main() -> int:
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
-                    before = float(counter.counts[state.epoch].sum()) if PLAIN else 0.0
+                    before = float(counter.counts.detach()[state.epoch].sum()) if PLAIN else 0.0
                     if USE_DDP:
                         counts, y = holder["ddp"](idx, x)
                     else:
@@ -193,7 +193,7 @@ def main() -> int:
                     state.adam.step()
                     if PLAIN:
                         state.steps += 1
-                        state.samples += float(counter.counts[state.epoch].sum()) - before
+                        state.samples += float(counter.counts.detach()[state.epoch].sum()) - before
                     if RECORD == "indices":
                         state.sampler.record_indices(idx)
                     else:
@@ -222,7 +222,8 @@ def main() -> int:
                 "max": float(counts.max()),
                 # oracle numbers: samples (of all epochs) counted != once, per epoch too
                 "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
-                "wrong_by_epoch": [int(w) for w in wrong.sum(dim=1).tolist()],
+                "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
+                                   if w},
                 "epochs": trained,
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
@@ -231,7 +232,8 @@ def main() -> int:
             if PLAIN:
                 result["steps"] = state.steps
                 result["samples"] = state.samples
-                result["plain_ok"] = state.samples == float(trained * N)
+                # the plain value must belong to the same commit as the model
+                result["plain_ok"] = state.samples == float(counts.sum())
             return result
 
         result = peer.run(train, state)
