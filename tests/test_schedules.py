@@ -34,8 +34,8 @@ from tests.helpers.schedules import (
     run_plan,
 )
 
-SEEDS = fresh_seeds(2)
-N_EVENTS = events_from_env(7)
+SEEDS = fresh_seeds(3)
+N_EVENTS = events_from_env(6)
 
 
 @pytest.mark.parametrize("seed", range(200))
