@@ -262,6 +262,9 @@ class ChaosRunner:
     makes no progress within ``progress_timeout_s`` of an event, ...).
     """
 
+    #: states (besides ``killed``) whose exit code is not checked; a subclass adds its own
+    ANY_EXIT: tuple[str, ...] = ()
+
     def __init__(self, seed: int, schedule: list[Event], etcd: EtcdCluster, job: str, *,
                  peers: int = 5, min_np: int = 2, max_np: int = 4, epochs: int | None = None,
                  progress_steps: int = 3, progress_timeout_s: float = 120.0,
@@ -270,6 +273,7 @@ class ChaosRunner:
         self.schedule = schedule
         self.etcd = etcd
         self.n_peers, self.min_np, self.max_np = peers, min_np, max_np
+        self.n_start = peers  # peers start() starts (a subclass may start fewer)
         self.progress_steps = progress_steps
         self.progress_timeout_s = progress_timeout_s
         self._out = out
@@ -372,7 +376,7 @@ class ChaosRunner:
         self.scan()
         for p in self.peers:
             rc = p.proc.proc.poll()
-            if rc is None or p.state in ("killed", "left"):
+            if rc is None or p.state in ("killed", "left", *self.ANY_EXIT):
                 continue
             if p.state == "leaving":
                 p.state = "left"
@@ -507,11 +511,11 @@ class ChaosRunner:
                  f"(min_np {self.min_np}, max_np {self.max_np}), {self.epochs} epochs, "
                  f"etcd {self.etcd.endpoint_string}")
         counts = Counter(e.kind for e in self.schedule)
-        self.say("schedule: " + ", ".join(f"{counts[k]} {k}" for k in KINDS))
+        self.say("schedule: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
         self.say("schedule: " + ", ".join(e.describe() for e in self.schedule))
-        for _ in range(self.n_peers):
+        for _ in range(self.n_start):
             self.spawn()
-        first = min(self.n_peers, self.max_np)
+        first = min(self.n_start, self.max_np)
         self.wait_for(f"the first generation of {first}",
                       lambda: self.gen_sizes.get(self.max_gen) == first, timeout=180)
         self.wait_for("every peer to register",
@@ -526,15 +530,20 @@ class ChaosRunner:
                 self.say(f"the job finished before event {ev.describe()}: "
                          f"{len(self.applied)} of {len(self.schedule)} applied")
                 break
-            a = Applied(ev, time.monotonic() - self.t0)
-            began = time.monotonic()
-            getattr(self, f"_do_{ev.kind}")(ev, a)
-            a.settle_s = time.monotonic() - began
-            self.applied.append(a)
-            self.say(a.line() + f" [epoch {self.last_epoch}/{self.epochs}, gen {self.max_gen}]")
-            if not self.finished:
-                self.sleep(ev.gap_s)
+            self.apply(ev)
         return self.applied
+
+    def apply(self, ev: Event) -> Applied:
+        """Apply one event, wait for the job to make progress again, then its gap."""
+        a = Applied(ev, time.monotonic() - self.t0)
+        began = time.monotonic()
+        getattr(self, f"_do_{ev.kind}")(ev, a)
+        a.settle_s = time.monotonic() - began
+        self.applied.append(a)
+        self.say(a.line() + f" [epoch {self.last_epoch}/{self.epochs}, gen {self.max_gen}]")
+        if not self.finished:
+            self.sleep(ev.gap_s)
+        return a
 
     def _pick(self, ev: Event, a: Applied) -> tuple[Tracked, bool]:
         """The target peer and whether it is in the current roster."""
@@ -659,7 +668,7 @@ class ChaosRunner:
                             f"(the job finished first: raise EPOCHS_PER_EVENT)")
         for p in self.peers:
             rc = p.proc.proc.poll()
-            if p.state != "killed" and rc != 0:
+            if p.state not in ("killed", *self.ANY_EXIT) and rc != 0:
                 problems.append(f"{p.name} ({p.state}, stopped {p.stops}x) exited {rc}, not 0")
             if rc is None:
                 problems.append(f"{p.name} (pid {p.pid}) is still running")
@@ -683,7 +692,7 @@ class ChaosRunner:
         slow = f"slowest: {slowest.line()}; " if slowest else ""
         tbs = f" ({'; '.join(self.tracebacks[:3])})" if self.tracebacks else ""
         return (f"{self.tag()}: {len(self.applied)} events "
-                f"({', '.join(f'{counts[k]} {k}' for k in KINDS)}), by role "
+                f"({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}), by role "
                 f"{dict(sorted(roles.items()))}; {self.max_gen} generations, {rejoins} "
                 f"re-registrations after a lost lease; schedule done at epoch "
                 f"{self.schedule_end_epoch} of {self.epochs}; {len(self.peers)} peers: {rcs}; "

@@ -1,12 +1,39 @@
 """One peer of a real elastic training job with an exactly-once oracle.
 
-The model's ``counts`` parameter gains exactly 1.0 for every sample trained on: each rank's
-loss is ``-world * counts[batch].sum()``, gradients are averaged over the world, and SGD
-with lr 1 adds the count of every sample of every rank (exact in float64). After the job,
-every sample of every epoch must have been counted exactly once: ``counts == EPOCHS``.
+The model's ``counts`` parameter (one row per epoch) gains exactly 1.0 at ``[epoch, i]`` for
+every sample ``i`` trained on: each rank's loss is ``-world * counts[epoch, batch].sum()``,
+gradients are averaged over the world, and SGD with lr 1 adds the count of every sample of
+every rank (exact in float64). After the job, every sample of every epoch must have been
+counted exactly once: ``counts[:epochs] == 1``, and the rows of epochs never trained 0.
 A small network trained with Adam on the side proves optimizer state stays bit-identical.
 
-Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* variables.
+Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* variables:
+
+* ``WORKER_SAMPLES``, ``WORKER_EPOCHS``, ``WORKER_BATCH``, ``WORKER_STEP_S``: the job's size.
+* ``WORKER_COMMIT_EVERY=k`` (default 2): ``state.commit()`` after every k-th batch (and at
+  each epoch end).
+* ``WORKER_CHECK_EVERY=j`` (default 0: never): ``state.check_host_updates()`` after every
+  j-th batch that is not a commit, so resets also happen between (rare) commits.
+* ``WORKER_RECORD`` how progress is recorded, the README's three ways:
+  ``batch`` (default) ``sampler.record_batch(b, BS)``; ``indices``
+  ``sampler.record_indices(batch_indices)``; ``local`` ``ElasticSampler(...,
+  record_all_ranks=False)`` with ``record_batch``.
+* ``WORKER_PLAIN=1``: plain values in the state that must stay consistent with the model: an
+  int ``steps`` (batches stepped, empty ones included) and a float ``samples`` (samples
+  trained, from the model's own count). At the end ``samples`` must equal the model's total
+  count (``plain_ok``; the oracle checks that total), and both are part of the digest.
+* ``WORKER_DDP=1``: average gradients with DistributedDataParallel, rebuilt in a reset
+  callback (the README's recipe), instead of pe.DistributedOptimizer.
+* ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
+  the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
+  the epochs actually trained). Lets a test end the job as soon as its schedule is done.
+* ``WORKER_HANG_AT=<epoch>:<batch>``: the chosen peer's training thread blocks forever at
+  the start of that batch while the process (its coordination thread, its lease) lives.
+  Chosen: every peer with the variable set, or only the one whose rank there is
+  ``WORKER_HANG_RANK``. ``WORKER_HANG_FILE=path``: a peer whose pid is a line of that file
+  blocks at its next batch (a test picks a running peer). Prints ``HANG <epoch> <batch>
+  <generation>`` first.
+
 Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation,
 ``STEP <epoch> <batch> <generation>`` every few batches, and on rank 0 at the end
 ``RESULT <json>``.
@@ -19,6 +46,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -32,19 +60,47 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
 BS = int(os.environ.get("WORKER_BATCH", "4"))
 STEP_S = float(os.environ.get("WORKER_STEP_S", "0.02"))
 COMMIT_EVERY = int(os.environ.get("WORKER_COMMIT_EVERY", "2"))
+CHECK_EVERY = int(os.environ.get("WORKER_CHECK_EVERY", "0"))
+RECORD = os.environ.get("WORKER_RECORD", "batch")
+PLAIN = os.environ.get("WORKER_PLAIN") == "1"
+END_FILE = os.environ.get("WORKER_END_FILE")
 RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
+if RECORD not in ("batch", "indices", "local"):
+    raise SystemExit(f"WORKER_RECORD={RECORD!r}: expected batch, indices or local")
+
+
+# --- hung training thread (WORKER_HANG_AT / WORKER_HANG_RANK / WORKER_HANG_FILE) -------------
+HANG_AT = os.environ.get("WORKER_HANG_AT", "")
+HANG_RANK = os.environ.get("WORKER_HANG_RANK", "")
+HANG_FILE = os.environ.get("WORKER_HANG_FILE", "")
+
+
+def maybe_hang(epoch: int, batch: int, rank: int, generation: int) -> None:
+    """Block this (training) thread forever if this peer was chosen to hang here."""
+    at = f"{epoch}:{batch}" == HANG_AT and (HANG_RANK == "" or int(HANG_RANK) == rank)
+    if not at and HANG_FILE:
+        try:
+            with open(HANG_FILE) as f:
+                at = str(os.getpid()) in f.read().split()
+        except FileNotFoundError:
+            pass
+    if at:
+        print("HANG", epoch, batch, generation, flush=True)
+        threading.Event().wait()  # forever; the coordination thread and the lease live on
+# ----------------------------------------------------------------------------------------------
 
 
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.counts = nn.Parameter(torch.zeros(N, dtype=torch.float64))
+        self.counts = nn.Parameter(torch.zeros(EPOCHS, N, dtype=torch.float64))
+        self.epoch = 0  # the row forward() counts into (set before each epoch)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.counts[idx]
+        return self.counts[self.epoch][idx]
 
 
 class Both(nn.Module):
@@ -67,6 +123,8 @@ def digest(state: pe.TorchState) -> str:
             for v in s.values():
                 if torch.is_tensor(v):
                     h.update(v.detach().contiguous().numpy().tobytes())
+    h.update(repr((state.epoch, getattr(state, "steps", None),
+                   getattr(state, "samples", None))).encode())
     return h.hexdigest()
 
 
@@ -74,18 +132,29 @@ def say(*parts: object) -> None:
     print(*parts, flush=True)
 
 
+def end_requested() -> bool:
+    """WORKER_END_FILE exists on any rank (one MAX all-reduce: every rank decides the same)."""
+    if not END_FILE:
+        return False
+    flag = torch.tensor([int(os.path.exists(END_FILE))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def main() -> int:
     torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
     with pe.join() as peer:
-        sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False)
+        sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,
+                                    record_all_ranks=RECORD != "local")
         counter = Counter()
         net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         sgd = torch.optim.SGD(counter.parameters(), lr=1.0)
         adam = torch.optim.Adam(net.parameters(), lr=1e-2)
         if not USE_DDP:
             sgd, adam = pe.DistributedOptimizer(sgd), pe.DistributedOptimizer(adam)
+        plain = {"steps": 0, "samples": 0.0} if PLAIN else {}
         state = pe.TorchState(model=counter, optimizer=sgd, net=net, adam=adam, sampler=sampler,
-                              epoch=0)
+                              epoch=0, **plain)
         seen_sizes: list[int] = []
         holder: dict[str, nn.Module] = {}
 
@@ -101,15 +170,18 @@ def main() -> int:
         def train(state: pe.TorchState) -> dict:
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
-            while state.epoch < EPOCHS:
+            while state.epoch < EPOCHS and not end_requested():
+                counter.epoch = state.epoch
                 shard = list(iter(state.sampler))
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
                 for b in range(int(nb)):
+                    maybe_hang(state.epoch, b, peer.rank, peer.generation)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
+                    before = float(counter.counts.detach()[state.epoch].sum()) if PLAIN else 0.0
                     if USE_DDP:
                         counts, y = holder["ddp"](idx, x)
                     else:
@@ -119,26 +191,50 @@ def main() -> int:
                     (loss + loss2).backward()
                     state.optimizer.step()
                     state.adam.step()
-                    state.sampler.record_batch(b, BS)
+                    if PLAIN:
+                        state.steps += 1
+                        state.samples += float(counter.counts.detach()[state.epoch].sum()) - before
+                    if RECORD == "indices":
+                        state.sampler.record_indices(idx)
+                    else:
+                        state.sampler.record_batch(b, BS)
                     time.sleep(STEP_S)
                     if b % 5 == 0:
                         say("STEP", state.epoch, b, peer.generation)
                     if (b + 1) % COMMIT_EVERY == 0:
                         state.commit()
                         peer.record_progress(epoch=state.epoch, batch=b, step=state.commit_count)
+                    elif CHECK_EVERY and (b + 1) % CHECK_EVERY == 0:
+                        state.check_host_updates()
                 state.epoch += 1
                 state.sampler.set_epoch(state.epoch)
                 state.commit()
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
             counts = state.model.counts.detach()
-            return {
-                "exact": bool(torch.equal(counts, torch.full_like(counts, float(EPOCHS)))),
-                "min": float(counts.min()), "max": float(counts.max()),
+            trained = state.epoch
+            want = torch.zeros_like(counts)
+            want[:trained] = 1.0
+            wrong = counts != want
+            result = {
+                "exact": bool(not wrong.any()),
+                "min": float(counts[:trained].min()) if trained else 0.0,
+                "max": float(counts.max()),
+                # oracle numbers: samples (of all epochs) counted != once, per epoch too
+                "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
+                "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
+                                   if w},
+                "epochs": trained,
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
                 "reset_sizes": seen_sizes,  # one per formed group, the first included
             }
+            if PLAIN:
+                result["steps"] = state.steps
+                result["samples"] = state.samples
+                # the plain value must belong to the same commit as the model
+                result["plain_ok"] = state.samples == float(counts.sum())
+            return result
 
         result = peer.run(train, state)
         if peer.rank == 0:

@@ -1,0 +1,105 @@
+"""Model-based schedules (issue 9): a seeded API pattern plus a seeded sequence of events on
+a real job (real etcd cluster, real peer processes, real gloo groups), ending with the
+exactly-once oracle, a digest comparison across ranks, exit codes and no process left.
+
+Every run draws fresh seeds (printed as ``SCHEDULE SEED <seed>``, and in the test id).
+
+    python -m pytest tests/test_schedules.py -s                                  # fresh seeds
+    PEER_ELASTIC_SCHEDULE_SEED=123 python -m pytest tests/test_schedules.py -s   # replay one
+    PEER_ELASTIC_SCHEDULE_EVENTS=20 ...                                          # longer ones
+    python benchmarks/soak.py --schedules --runs 20                              # soak many
+
+A schedule that exercises a part of issue 9 still open (``OPEN_ISSUE9`` in
+tests/helpers/schedules.py) is expected to fail: it is reported as xfail with the reason
+(``PEER_ELASTIC_SCHEDULE_STRICT=1`` makes it a failure). Generator and runner:
+tests/helpers/schedules.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from peer_elastic.etcd_server import EtcdCluster
+from tests.helpers.schedules import (
+    STRICT_ENV,
+    events_from_env,
+    fresh_seeds,
+    hang_detection,
+    make_plan,
+    run_plan,
+)
+
+SEEDS = fresh_seeds(3)
+N_EVENTS = events_from_env(6)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
+    plan = make_plan(seed, N_EVENTS)
+    assert plan == make_plan(seed, N_EVENTS)  # a pure function of the seed
+    assert len(plan.events) >= N_EVENTS
+    live, mx, mn, paused = plan.peers, plan.max_np, plan.min_np, False
+    for e in plan.events:
+        if e.kind in ("kill", "term", "hang", "stop"):
+            assert not paused and min(live - 1, mx) >= mn, (seed, e)
+            live -= e.kind != "stop"
+        elif e.kind == "add":
+            live += 1
+            assert live <= plan.peers, (seed, e)
+        elif e.kind == "set_max":
+            mx = e.value
+        elif e.kind == "set_min":
+            mn = e.value
+        elif e.kind in ("pause", "resume"):
+            paused = e.kind == "pause"
+        assert 1 <= mn <= mx and min(live, mx) >= mn, (seed, e, live, mx, mn)
+        if e.kind == "stop":
+            assert e.hold_s > 3.0 + 1.0  # past the join timeout and the lease TTL
+        if e.kind == "stop_short":
+            assert e.hold_s < 1.5  # under the join timeout
+        if e.kind == "hang":
+            assert hang_detection() is not None
+    assert (mx, mn, paused) == (plan.max_np, plan.min_np, False)
+
+
+def test_plans_cover_every_kind_and_pattern() -> None:
+    kinds: Counter[str] = Counter()
+    patterns: Counter[str] = Counter()
+    for seed in range(300):
+        plan = make_plan(seed, N_EVENTS)
+        kinds.update(e.kind for e in plan.events)
+        kinds.update(f"kill:{e.target}" for e in plan.events if e.kind == "kill")
+        patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
+                         f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
+                         f"ddp={plan.pattern.ddp}"])
+    want = {"kill", "kill:leader", "kill:", "term", "add", "set_max", "set_min", "pause",
+            "resume", "stop_short", "stop", "etcd_member", "etcd_all"}
+    if hang_detection() is not None:
+        want.add("hang")
+    assert want <= set(kinds), kinds
+    assert {"record=batch", "record=indices", "record=local", "check=1", "commit=5",
+            "plain=True", "ddp=True"} <= set(patterns), patterns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
+def test_schedule_exactly_once(seed: int, etcd_cluster: EtcdCluster, unique_job: str,
+                               tmp_path: Path,
+                               record_property: Callable[[str, object], None]) -> None:
+    record_property("schedule_seed", seed)
+    plan = make_plan(seed, N_EVENTS)
+    oc = run_plan(etcd_cluster, unique_job, plan, tmp_path / "work",
+                  log_dir=tmp_path / f"schedule-{seed}")
+    print(oc.report())
+    if oc.passed:
+        return
+    excused = plan.open_issues()
+    if excused and os.environ.get(STRICT_ENV) != "1":
+        pytest.xfail("; ".join(excused) + f" (seed {seed}: {oc.problems[0][:300]})")
+    pytest.fail(oc.report(), pytrace=False)
