@@ -35,12 +35,6 @@ from tests.helpers.schedules import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-ISSUE_A = ("issue 9 item 1: progress recorded on one rank only (record_indices / "
-           "record_all_ranks=False) dies with that rank; its samples are trained again")
-ISSUE_B = ("issue 9 item 2: a peer parked by max_np and brought back before anyone commits "
-           "keeps stale state (no sync): ranks differ, samples wrong")
-
-
 def wait_early(runner: ScheduleRunner) -> None:
     since = time.monotonic()
     runner.wait_for("a STEP line early in an epoch", lambda: any(
@@ -84,8 +78,8 @@ SCENARIO_A = [SEvent(0, "add"), SEvent(1, "term", target="other"),
 
 @pytest.mark.parametrize("record", [
     "batch",
-    pytest.param("indices", marks=pytest.mark.xfail(strict=False, reason=ISSUE_A)),
-    pytest.param("local", marks=pytest.mark.xfail(strict=False, reason=ISSUE_A)),
+    "indices",
+    "local",
 ])
 def test_a_rare_commits_checks_between_join_leave_crashes(
         record: str, etcd_cluster: EtcdCluster, unique_job: str, tmp_path: Path) -> None:
@@ -96,8 +90,8 @@ def test_a_rare_commits_checks_between_join_leave_crashes(
 
 
 @pytest.mark.parametrize("record", [
-    pytest.param("batch", marks=pytest.mark.xfail(strict=False, reason=ISSUE_B)),
-    pytest.param("indices", marks=pytest.mark.xfail(strict=False, reason=ISSUE_B)),
+    "batch",
+    "indices",
 ])
 def test_b_max_np_down_and_up_between_commits(
         record: str, etcd_cluster: EtcdCluster, unique_job: str, tmp_path: Path) -> None:

@@ -9,15 +9,11 @@ Every run draws fresh seeds (printed as ``SCHEDULE SEED <seed>``, and in the tes
     PEER_ELASTIC_SCHEDULE_EVENTS=20 ...                                          # longer ones
     python benchmarks/soak.py --schedules --runs 20                              # soak many
 
-A schedule that exercises a part of issue 9 still open (``OPEN_ISSUE9`` in
-tests/helpers/schedules.py) is expected to fail: it is reported as xfail with the reason
-(``PEER_ELASTIC_SCHEDULE_STRICT=1`` makes it a failure). Generator and runner:
-tests/helpers/schedules.py.
+Generator and runner: tests/helpers/schedules.py.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +22,6 @@ import pytest
 
 from peer_elastic.etcd_server import EtcdCluster
 from tests.helpers.schedules import (
-    STRICT_ENV,
     events_from_env,
     fresh_seeds,
     hang_detection,
@@ -97,9 +92,5 @@ def test_schedule_exactly_once(seed: int, etcd_cluster: EtcdCluster, unique_job:
     oc = run_plan(etcd_cluster, unique_job, plan, tmp_path / "work",
                   log_dir=tmp_path / f"schedule-{seed}")
     print(oc.report())
-    if oc.passed:
-        return
-    excused = plan.open_issues()
-    if excused and os.environ.get(STRICT_ENV) != "1":
-        pytest.xfail("; ".join(excused) + f" (seed {seed}: {oc.problems[0][:300]})")
-    pytest.fail(oc.report(), pytrace=False)
+    if not oc.passed:
+        pytest.fail(oc.report(), pytrace=False)

@@ -54,21 +54,10 @@ from tests.helpers.procs import ROOT
 
 SEED_ENV = "PEER_ELASTIC_SCHEDULE_SEED"
 EVENTS_ENV = "PEER_ELASTIC_SCHEDULE_EVENTS"
-STRICT_ENV = "PEER_ELASTIC_SCHEDULE_STRICT"  # 1: no schedule is excused by an open issue
 
 JOIN_TIMEOUT_S = float(SETTINGS["PEER_ELASTIC_JOIN_TIMEOUT"])  # type: ignore[arg-type]
 LEASE_TTL_S = float(SETTINGS["PEER_ELASTIC_LEASE_TTL"])  # type: ignore[arg-type]
 HANG_TIMEOUT_S = 10.0  # PEER_ELASTIC_HANG_TIMEOUT for the job, when the library has it
-
-# The parts of issue 9 still open on this branch: a schedule that exercises one of them is
-# expected to fail (the test marks it xfail). Remove an entry when its fix lands.
-OPEN_ISSUE9 = {
-    "local-progress": "issue 9 item 1: progress recorded on one rank (record_indices / "
-                      "record_all_ranks=False) is lost with that rank, its samples trained again",
-    "parked-return": "issue 9 item 2: a peer parked by max_np that returns between commits "
-                     "keeps stale state (the sync is skipped)",
-}
-
 
 def hang_detection() -> dict[str, Any] | None:
     """The library's training-thread hang detection setting (name, env), or None before it
@@ -143,22 +132,6 @@ class Plan:
         return (f"seed {self.seed}; pattern {self.pattern.describe()}; {self.peers} peers, "
                 f"min_np {self.min_np}, max_np {self.max_np}; events: "
                 + ", ".join(e.describe() for e in self.events))
-
-    def open_issues(self) -> list[str]:
-        """The still-open parts of issue 9 (OPEN_ISSUE9) this plan exercises."""
-        kinds = {e.kind for e in self.events}
-        # Progress recorded on one rank is lost when that rank leaves the roster in any way
-        # (crash, leave, lost lease, parked) or the survivors roll back.
-        roster_loss = kinds & {"kill", "term", "stop", "hang", "set_max", "etcd_all"} or any(
-            e.kind == "etcd_member" and e.hard for e in self.events)
-        out = []
-        if self.pattern.record != "batch" and roster_loss:
-            out.append("local-progress")
-        # A parked peer returning at a check (not a commit) finds equal commit counts.
-        parks = any(e.kind == "set_max" and e.value < self.max_np for e in self.events)
-        if parks and self.pattern.check_every:
-            out.append("parked-return")
-        return [OPEN_ISSUE9[k] for k in out if k in OPEN_ISSUE9]
 
 
 # Weights of the kinds the generator draws (where the model allows them).
