@@ -7,7 +7,8 @@ every sample of every epoch must have been counted exactly once: ``counts == EPO
 A small network trained with Adam on the side proves optimizer state stays bit-identical.
 
 Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* variables.
-Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation,
+Prints (flushed) ``HANGING <pid>`` and ``SLOW <epoch> <batch> <s>`` at the stalls the
+WORKER_HANG_AT / WORKER_SLOW_AT knobs ask for, ``GEN <generation> <rank> <size>`` after each (re)formation,
 ``STEP <epoch> <batch> <generation>`` every few batches, and on rank 0 at the end
 ``RESULT <json>``.
 """
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -36,6 +38,46 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
+# WORKER_HANG_AT=<epoch>:<batch>[:<rank>]: the training thread blocks for good at the start
+# of that batch (on that rank only, if given) while the process and its other threads live;
+# with WORKER_HANG_FLAG=<path> only the first process to get there (it creates the file).
+# WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]: that batch takes that much longer.
+HANG_AT = os.environ.get("WORKER_HANG_AT")
+HANG_FLAG = os.environ.get("WORKER_HANG_FLAG")
+SLOW_AT = os.environ.get("WORKER_SLOW_AT")
+
+
+def _at(spec: str | None, epoch: int, batch: int, rank: int, fields: int) -> list[str] | None:
+    """The extra fields of ``spec`` ("epoch:batch:<fields>[:rank]") if it names this batch."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != epoch or int(parts[1]) != batch:
+        return None
+    extra = parts[2:2 + fields]
+    if len(parts) > 2 + fields and int(parts[2 + fields]) != rank:
+        return None
+    return extra
+
+
+def hang_forever() -> None:
+    """A training thread stuck for good (a data loader that never yields, say)."""
+    say("HANGING", os.getpid())
+    threading.Event().wait()
+
+
+def maybe_stall(epoch: int, batch: int, rank: int) -> None:
+    if _at(HANG_AT, epoch, batch, rank, 0) is not None:
+        if HANG_FLAG:
+            try:
+                os.close(os.open(HANG_FLAG, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # another process hung already
+        hang_forever()
+    slow = _at(SLOW_AT, epoch, batch, rank, 1)
+    if slow is not None:
+        say("SLOW", epoch, batch, slow[0])
+        time.sleep(float(slow[0]))  # a long step (evaluation, a slow batch)
 
 
 class Counter(nn.Module):
@@ -106,6 +148,7 @@ def main() -> int:
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
                 for b in range(int(nb)):
+                    maybe_stall(state.epoch, b, peer.rank)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
