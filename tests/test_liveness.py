@@ -421,3 +421,48 @@ def test_peers_blocked_in_a_collective_on_a_frozen_peer_are_not_hung(cluster: Cl
     assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
     assert found[0]["world"] == 3  # nobody was dropped
     assert not [e for e in events_of(cluster) if e["kind"] == "hung"]
+
+
+def test_fence_takes_the_member_out_at_once_for_good_and_says_why(
+        etcd: str, unique_job: str) -> None:
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator, update_config
+    from peer_elastic.etcd.fence import fence_member
+
+    settings = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3,
+                           join_timeout_s=1.0)
+    clients = [EtcdClient(etcd, retry_budget_s=10) for _ in range(3)]
+    coords = []
+    try:
+        for c in clients:
+            coords.append(Coordinator(c, unique_job, settings).start())
+        ids = {c.member_id for c in coords}
+        snap = coords[1].view.wait_for(
+            lambda s: s.generation is not None and set(s.generation.roster) == ids, 15)
+        assert snap is not None
+        victim = coords[0]  # the oldest: the leader, as in the worst case
+        gone = victim.member_id
+        t0 = time.monotonic()
+        out = fence_member(victim, FenceCause.FENCE_CAUSE_HUNG, "stuck at train.py:10",
+                           generation=snap.generation.number)
+        assert out.recorded and out.revoked, out
+        after = coords[1].view.wait_for(
+            lambda s: s.generation is not None and gone not in s.generation.roster, 10)
+        took = time.monotonic() - t0
+        assert after is not None
+        # At once (settle_s), not after join_timeout_s or the lease TTL.
+        assert took < 1.0 + settings.join_timeout_s, took
+        assert len(after.generation.roster) == 2
+        assert "hung" in after.generation.reason and gone in after.generation.reason
+        assert after.fenced[gone].detail == "stuck at train.py:10"
+        assert gone not in after.members
+        # It does not come back: its coordinator is closed and does not re-register.
+        assert coords[1].view.wait_for(lambda s: len(s.members) > 2, 2.0) is None
+        # hang_timeout_s can change while the job runs; every peer reads the new value.
+        update_config(clients[1], unique_job, {"hang_timeout_s": 0})
+        assert coords[2].view.wait_for(lambda s: s.run.config.hang_timeout_s == 0, 10)
+    finally:
+        for c in coords:
+            c.close()
+        for c in clients:
+            c.close()
