@@ -137,6 +137,12 @@ class JobSettings:
 
 def validate(cfg: JobConfig) -> None:
     """Reject settings no job can run with, with a message that says which and why."""
+    for f in JOB_FIELDS:
+        # NaN passes every comparison below (all are False), and inf disables a timeout or
+        # a lease silently: neither is a setting anyone means.
+        if f.kind is float and not math.isfinite(getattr(cfg, f.name)):
+            raise ConfigError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)} "
+                              f"({f.env})")
     if cfg.min_np < 1:
         raise ConfigError(f"min_np must be at least 1, got {cfg.min_np}")
     if cfg.max_np and cfg.max_np < cfg.min_np:

@@ -14,7 +14,8 @@ One pass of :meth:`Peer.run`::
          HostsUpdatedInterrupt -> keep live state, back to the top
          a failed collective   -> restore the last commit, mark the generation broken,
                                   back to the top
-         it returns            -> rank 0 writes `done`; every peer returns the result
+         it returns            -> every rank records `done` (the first write stays) and
+                                  returns the result once etcd holds it
 
 ``check_host_updates()`` (also inside ``commit()``) does no etcd I/O: it reads the watched
 generation from memory and runs one tiny all-reduce, so every roster member raises
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from peer_elastic import logs
+from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     InternalError,
@@ -42,8 +44,8 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import TrainingWatch
-from peer_elastic.sampler import syncing_from
 from peer_elastic.torch.abort import HangWatchdog
+from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,12 @@ class Peer:
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None
+        self._state: Any = None  # the state given to run()
         self._synced_once = False
-        self._restored = False
+        self._restored = False  # since the last reset (for metrics)
+        # The version of the live state and of the last commit (peer_elastic.agreement).
+        self._live = StateVersion()
+        self._committed = StateVersion()
         self.resets = 0
         self.last_reset_s = 0.0
         self.reset_log: list[dict[str, Any]] = []
@@ -131,18 +137,31 @@ class Peer:
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank at once if membership changed.
 
+        The same check as ``state.check_host_updates()`` on the state given to :meth:`run`.
+        """
+        self._check(self._state, committing=False)
+
+    def _check(self, state: Any, committing: bool) -> None:
+        """The per-step protocol behind ``state.commit()`` and ``state.check_host_updates()``.
+
         No etcd I/O: the newest generation comes from the watched view in memory. One
-        all-reduce (MAX) of "the newest generation I know of" makes every rank decide the
-        same; a rank whose lease was lost forces a reset so it never continues in the old
-        group.
+        all-reduce (MAX) of [the newest generation I know of, do I hold unmerged progress]
+        makes every rank decide the same at the same call. Then, in this order: merge the
+        progress some rank recorded only locally (one more all-reduce, only when some rank
+        has such progress), save the commit, raise if a new generation is pending. A rank
+        whose collective fails never gets to save or keep the step: it restores its last
+        commit, whose progress was merged (see ``peer_elastic.agreement``).
         """
         group = self._group
         if group is None:
+            if committing:
+                state.record_commit()
             return
         self._liveness.stepped()
         if self._pending_timing is not None:
             self._publish_timing()
         current = group.assignment.generation
+        self._live = self._live.stepped(current)
         coord = self.coordinator
         snap = coord.snapshot()
         newest = snap.generation
@@ -151,14 +170,20 @@ class Peer:
             # Lease lost (we must not go on in this group), a fatal error, or the job ended
             # (e.g. reset limit): everyone stops at this call and the reset path reports it.
             want = max(want, current + 1)
+        local = state is not None and state.has_local_progress()
         buf = self._check_buf
         if buf is None:
-            buf = self._check_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
-        buf.fill_(want)
+            buf = self._check_buf = torch.zeros(2, dtype=torch.int64, device=self.device)
+        buf[0], buf[1] = want, int(local)
         with self._liveness.collective():  # waiting here is waiting on the others
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-            newest_seen = int(buf.item())
-        if newest_seen > current:
+            reset, merge = int(buf[0].item()) > current, bool(buf[1].item())
+        if merge and state is not None:
+            state.merge_progress()
+        if committing:
+            state.record_commit()
+            self._live = self._committed = self._live.committed()
+        if reset:
             removals_only = newest is not None and not newest.joined
             raise HostsUpdatedInterrupt(skip_sync=removals_only)
 
@@ -170,10 +195,11 @@ class Peer:
         job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 4
         when the job failed).
         """
+        self._state = state
         if self.metrics is None:
-            state._bind(self.check_host_updates)
+            state.attach(self._check)
         else:  # the same checker, timed; state.commit() timed too
-            self.metrics.instrument(state, self.check_host_updates)
+            self.metrics.instrument(state, self._check)
         if self._watchdog is not None:
             self._watchdog.start()
         self._liveness.start()
@@ -202,7 +228,8 @@ class Peer:
             self._leave(str(exc))
             raise SystemExit(0) from None
         finally:
-            state._bind(None)
+            state.attach(None)
+            self._state = None
             if self.metrics is not None:
                 self.metrics.uninstrument(state)
 
@@ -210,8 +237,7 @@ class Peer:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
         err = InternalError(f"collective failed in generation {self.generation}: {exc}")
         log.warning("%s; restoring the last commit", err)
-        state.restore()
-        self._restored = True
+        self._restore(state)
         try:
             self.coordinator.mark_broken(self.generation, str(exc)[:300])
         except PeerElasticError as e:
@@ -243,8 +269,7 @@ class Peer:
                 # A sync cut short may have overwritten part of the live state: go back to
                 # the last commit (intact: a sync only writes it after completing), so this
                 # rank never serves a torn state as the next sync source.
-                state.restore()
-                self._restored = True
+                self._restore(state)
                 if self._group is not None:
                     self.coordinator.mark_broken(self.generation, str(exc)[:300])
                     after = self.generation
@@ -262,12 +287,22 @@ class Peer:
                                       lease_lost=self._incarnation != incarnation)
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
 
+    def _restore(self, state: Any) -> None:
+        """Back to the last commit, and to its version."""
+        state.restore()
+        self._live = self._committed
+        self._restored = True
+
     def _agree_and_sync(self, state: Any) -> None:
-        need = not self._synced_once or self._restored
+        assert self._group is not None
+        # Joiners and returning members (the generation's `joined`) always take state, even
+        # when their version matches: it costs one sync and relies on nothing they kept.
+        need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
-        src = agree_and_sync(state, self.rank, self.size, self.device, need)
-        if self.metrics is not None and src is not None:
+        agreement = agree_and_sync(state, Claim(self._live, need), self.device)
+        if self.metrics is not None and agreement.source is not None:
             self.metrics.observe_sync(time.perf_counter() - t0)
+        self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
 
@@ -290,11 +325,11 @@ class Peer:
                                    gen.number, timings)
 
     def _finish(self) -> None:
-        if self.rank == 0:
-            try:
-                self.coordinator.finish(True, "training function returned")
-            except PeerElasticError as exc:
-                log.warning("could not record that the job finished: %s", exc)
+        # Every rank records the end (create-if-absent: the first record stays), and none
+        # returns before etcd holds it: were it left to rank 0 alone, its death or one failed
+        # write would make the next peer to start train the finished job again. finish()
+        # retries while etcd is unreachable and raises a clear error if that lasts.
+        self.coordinator.finish(True, "training function returned")
 
     def _leave(self, why: str, wait_s: float = 10.0) -> None:
         """We are out of the roster: wait (bounded) until the others formed, then go."""
@@ -329,40 +364,6 @@ class Peer:
         if self._watchdog is not None:
             self._watchdog.stop()
         self.groups.destroy()
-
-
-def agree_and_sync(state: Any, rank: int, size: int, device: torch.device, need: bool) -> int | None:
-    """Agree on the newest commit, then sync from a rank holding it if anyone needs it.
-
-    Collective over the default group; returns the rank synced from, or None when nobody
-    needed state (a removals-only reset: live state is already identical).
-
-    A commit is ``save()`` then the check collective; when a peer dies during that collective
-    it can complete on some ranks and fail on others, leaving them one commit apart. The
-    newer commit is consistent (every rank's progress is recorded on every rank), so everyone
-    adopts it from the lowest rank that has it, and no work is lost. One all-reduce (MAX) of
-    [needs state, commit, -commit] decides; a second runs only when ranks disagree.
-    """
-    mine = int(getattr(state, "commit_count", 0))
-    t = torch.tensor([int(need), mine, -mine], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    any_need, high, low = bool(t[0]), int(t[1]), -int(t[2])
-    src = 0
-    if low != high:
-        owner = torch.tensor([-(rank if mine == high else size)], dtype=torch.int64, device=device)
-        dist.all_reduce(owner, op=dist.ReduceOp.MAX)  # -(lowest rank holding the newest)
-        src, any_need = -int(owner.item()), True
-        log.info("commits differ (%d..%d): adopting commit %d from rank %d", low, high, high, src)
-    if not any_need:
-        return None
-    with syncing_from(src):
-        state.sync()
-    if hasattr(state, "commit_count"):
-        state.commit_count = high
-    # The synced state is the new restore point: a failure before the next commit must not
-    # roll this rank back to what it held before the sync.
-    state.save()
-    return src
 
 
 class _Publisher:

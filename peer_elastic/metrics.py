@@ -232,8 +232,8 @@ class NoopMetrics:
     def observe_sync(self, seconds: float) -> None:
         pass
 
-    def instrument(self, state: Any, checker: Callable[[], None]) -> None:
-        state._bind(checker)
+    def instrument(self, state: Any, checker: Callable[..., None]) -> None:
+        state.attach(checker)
 
     def uninstrument(self, state: Any) -> None:
         pass
@@ -406,7 +406,7 @@ class PeerMetrics:
 
     # -- timing a state's commit and check --------------------------------------------------------
 
-    def instrument(self, state: Any, checker: Callable[[], None]) -> None:
+    def instrument(self, state: Any, checker: Callable[..., None]) -> None:
         """Bind ``checker`` to ``state`` timed, and time ``state.commit()``.
 
         The check is timed in the bound checker (``state.check_host_updates()`` and the
@@ -416,7 +416,7 @@ class PeerMetrics:
         that ends in :class:`HostsUpdatedInterrupt` is observed (the check ran); one that
         fails otherwise (a peer died mid-collective) is not.
         """
-        state._bind(self._timed(checker, self.check_seconds))
+        state.attach(self._timed(checker, self.check_seconds))
         if "commit" in getattr(state, "__dict__", {}):
             return  # already shadowed (someone else's wrapper, or nested run): leave it
         try:
@@ -430,14 +430,14 @@ class PeerMetrics:
             del d["commit"]
 
     @staticmethod
-    def _timed(func: Callable[[], None], hist: Any) -> Callable[[], None]:
+    def _timed(func: Callable[..., None], hist: Any) -> Callable[..., None]:
         clock = time.perf_counter
         observe = hist.observe
 
-        def timed() -> None:
+        def timed(*args: Any) -> None:
             t0 = clock()
             try:
-                func()
+                func(*args)
             except HostsUpdatedInterrupt:
                 observe(clock() - t0)
                 raise

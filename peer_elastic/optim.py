@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from peer_elastic.state import _plan_buckets
+from peer_elastic.torch.collectives import plan_buckets
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -45,7 +45,7 @@ class _Averaging:
         grads = [p.grad for p in params]
         # The same bucket plan state sync uses: by dtype and device, in parameter order, so
         # every rank reduces the same buckets.
-        for bucket in _plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes):
+        for bucket in plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes):
             if len(bucket) == 1 and bucket[0].is_contiguous():
                 dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM)  # large: in place
                 bucket[0].div_(world)

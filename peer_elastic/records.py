@@ -8,6 +8,7 @@ report once per key and otherwise ignore. Nothing read from etcd is ever unpickl
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TypeVar
 
@@ -94,6 +95,9 @@ def _validate(record: Message, key: str) -> None:
             raise bad(f"member id {record.member_id!r}")
         if record.lease_id == 0:
             raise bad("no lease id")
+        # The host names keys (failures/<host>, blacklist/<host>): a "/" would escape them.
+        if not valid_name(record.host):
+            raise bad(f"host {record.host!r}")
     elif isinstance(record, GenerationRecord):
         if record.number == 0:
             raise bad("generation number 0")
@@ -109,6 +113,10 @@ def _validate(record: Message, key: str) -> None:
         c = record.config
         if c.min_np < 1 or (c.max_np and c.max_np < c.min_np):
             raise bad(f"min_np={c.min_np} max_np={c.max_np}")
+        for f in c.DESCRIPTOR.fields:
+            if f.cpp_type in (f.CPPTYPE_DOUBLE, f.CPPTYPE_FLOAT) \
+                    and not math.isfinite(getattr(c, f.name)):
+                raise bad(f"{f.name}={getattr(c, f.name)} is not a finite number")
     elif isinstance(record, (AckRecord, DrainRecord)):
         if not valid_name(record.member_id):
             raise bad(f"member id {record.member_id!r}")

@@ -17,17 +17,19 @@ When the elastic loop must call what (``TorchState`` does it through its sampler
 * once a new process group exists: ``reset()`` (``TorchState.on_reset`` calls it), which
   re-partitions for the new world; this alone is enough when the sync is skipped (e.g. a
   removals-only change), because ``record_batch`` keeps the progress identical on every rank;
-* when state is synchronised: ``sync()``, which adopts rank 0's epoch, merges every rank's
-  progress with one all-reduce and re-partitions;
+* when state is synchronised: ``sync()``, which adopts the sync source's epoch and progress
+  (a broadcast, never a merge: progress belongs to the model state it was recorded with,
+  and the source's model is the one everybody adopts) and re-partitions;
 * after ``restore()`` of a commit: nothing extra, ``load_state_dict`` re-partitions.
 
 Progress recorded on one rank only (``record_indices``, or ``record_all_ranks=False``) must be
-merged (``sync``/``merge``) before a re-partition; ``reset`` warns when it is not.
+merged (``merge``) while the ranks still hold the same model state: the run loop does it in
+every commit and before every reset (``has_local_progress`` tells it when). ``reset`` warns
+when a re-partition finds unmerged progress.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Sized
@@ -35,63 +37,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from peer_elastic.torch.collectives import (
+    all_reduce_max_inplace,
+    broadcast_inplace,
+    world_from_dist,
+)
 
 __all__ = ["ElasticSampler"]
-
-
-def _world_from_dist() -> tuple[int, int]:
-    """(rank, world size) of the default group, or (0, 1) when there is none."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _staging_device() -> torch.device | None:
-    """Device a CPU tensor must be moved to for a collective, or None if CPU works.
-
-    A pure NCCL group cannot communicate CPU tensors; gloo (and mixed ``cpu:gloo,cuda:nccl``
-    groups) can.
-    """
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-_sync_source = 0
-
-
-def sync_source() -> int:
-    """The rank every state broadcast comes from: 0, unless :func:`syncing_from` says else."""
-    return _sync_source
-
-
-@contextlib.contextmanager
-def syncing_from(src: int) -> Iterator[None]:
-    """Make ``sync()`` broadcast from rank ``src``.
-
-    The run loop uses it after a failure that left one rank a commit ahead of rank 0: the
-    newest commit is consistent everywhere (progress is recorded for all ranks at once), so
-    everyone adopts it instead of losing a step of work.
-    """
-    global _sync_source
-    previous, _sync_source = _sync_source, int(src)
-    try:
-        yield
-    finally:
-        _sync_source = previous
-
-
-def _collective_inplace(tensor: torch.Tensor, op: str) -> None:
-    """Run ``broadcast`` from the sync source or ``all_reduce(MAX)`` on a CPU tensor, in place."""
-    stage = _staging_device()
-    wire = tensor.to(stage) if stage is not None else tensor
-    if op == "broadcast":
-        dist.broadcast(wire, src=_sync_source)
-    else:
-        dist.all_reduce(wire, op=dist.ReduceOp.MAX)
-    if wire is not tensor:
-        tensor.copy_(wire.cpu())
 
 
 def _pad_to_multiple(indices: torch.Tensor, world: int) -> torch.Tensor:
@@ -113,7 +66,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     Args:
         dataset: anything with ``len()``; its length must not change.
         shuffle: visit samples in a permutation that depends on ``(seed, epoch)`` only.
-        seed: must be the same on every rank (``sync`` adopts rank 0's).
+        seed: must be the same on every rank (``sync`` adopts the sync source's).
         pad: ``True`` (Horovod's behaviour) repeats a few samples so every shard has the same
             length, which keeps ranks in lockstep. ``False`` repeats nothing: every unprocessed
             sample is in exactly one shard and shard lengths differ by at most one.
@@ -122,7 +75,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             finish batch ``batch_idx`` together. The progress is then the same on every rank
             without any communication and survives the crash of the rank that processed a
             sample (like Horovod's current ``processed_num`` counter). ``False``: mark only
-            this rank's samples; the ranks' progress is merged at ``sync()``.
+            this rank's samples; the run loop merges the ranks' progress in every
+            commit and before every reset (one all-reduce of the bitmap).
     """
 
     def __init__(
@@ -175,7 +129,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         Purely local (no collective). Call it once the new process group exists; every rank
         must hold the same progress first (``record_all_ranks=True`` or a ``sync()``/``merge``).
         """
-        self.rank, self.num_replicas = self._pinned_world or _world_from_dist()
+        self.rank, self.num_replicas = self._pinned_world or world_from_dist()
         if self._unmerged and self.num_replicas > 1:
             warnings.warn(
                 "ElasticSampler re-partitioned while holding progress recorded on this rank "
@@ -237,7 +191,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._processed[done] = 1
 
     def record_indices(self, indices: Iterable[int] | torch.Tensor) -> None:
-        """Mark dataset indices as processed on this rank (merged at ``sync``/``merge``)."""
+        """Mark dataset indices as processed on this rank (merged at the next commit or reset by
+        the run loop, or by ``merge``)."""
         idx = torch.as_tensor(indices if isinstance(indices, torch.Tensor) else list(indices))
         idx = idx.to(torch.int64).reshape(-1)
         n = self._processed.numel()
@@ -245,6 +200,12 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise IndexError(f"sample index out of range for a dataset of {n}")
         self._processed[idx] = 1
         self._unmerged = True
+
+    @property
+    def has_local_progress(self) -> bool:
+        """True while this rank holds recorded progress that was not merged with the other
+        ranks (``record_indices``, or ``record_batch`` with ``record_all_ranks=False``)."""
+        return self._unmerged
 
     @property
     def processed_count(self) -> int:
@@ -274,40 +235,39 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         Collective: every rank of the default group must call it, with the same dataset
         length and epoch (``sync`` ensures both). Does not re-partition; call ``reset``.
         """
-        if _world_from_dist()[1] <= 1:
+        if world_from_dist()[1] <= 1:
             return
-        _collective_inplace(self._wire, "all_reduce")
+        all_reduce_max_inplace(self._wire)
         self._unmerged = False
         if self._wire[-1]:
             self._wire[-1] = 0
             raise ValueError("ElasticSampler: dataset length differs between ranks")
 
     def sync(self) -> None:
-        """Adopt rank 0's epoch/seed/settings, merge progress of all ranks, re-partition.
+        """Adopt the sync source's epoch, seed, settings and progress; re-partition.
 
-        Collective (two collectives: a 40-byte header broadcast and the bitmap all-reduce).
-        Ranks whose epoch differs from rank 0's drop their progress, which belongs to
-        another epoch. If the dataset length differs anywhere, every rank raises ValueError.
+        Collective: a 40-byte header broadcast, a one-byte all-reduce that makes a dataset
+        length mismatch raise ValueError on every rank, and the bitmap broadcast. Progress is
+        taken from the source, not merged: it must come with the model state it describes
+        (merge local records with ``merge`` before the ranks' states can diverge).
         """
-        if _world_from_dist()[1] <= 1:
+        if world_from_dist()[1] <= 1:
             self.reset()
             return
         n = self._processed.numel()
         header = torch.tensor(
             [self.epoch, self.seed, n, int(self.shuffle), int(self.pad)], dtype=torch.int64
         )
-        _collective_inplace(header, "broadcast")
+        broadcast_inplace(header)
         epoch, seed, n0, shuffle, pad = (int(v) for v in header.tolist())
-        if n0 != n:
-            # Still take part in the all-reduce (with rank 0's length) so nobody hangs.
-            wire = torch.zeros(n0 + 1, dtype=torch.uint8)
-            wire[-1] = 1
-            _collective_inplace(wire, "all_reduce")
-            raise ValueError(f"ElasticSampler: dataset has {n} samples here but {n0} on rank 0")
-        if epoch != self.epoch:
-            self._processed.zero_()
+        mismatch = torch.tensor([int(n0 != n)], dtype=torch.uint8)
+        all_reduce_max_inplace(mismatch)
+        if mismatch.item():
+            raise ValueError(f"ElasticSampler: dataset length differs between ranks ({n} here, "
+                             f"{n0} on the sync source)")
+        broadcast_inplace(self._processed)
         self.epoch, self.seed, self.shuffle, self.pad = epoch, seed, bool(shuffle), bool(pad)
-        self.merge()
+        self._unmerged = False
         self.reset()
 
     # --- checkpointing --------------------------------------------------------------------

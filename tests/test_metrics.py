@@ -105,10 +105,10 @@ def test_without_prometheus_client_everything_is_a_noop(monkeypatch: pytest.Monk
     m.observe_commit(1.0), m.observe_check(1.0), m.observe_sync(1.0)
     state = ObjectState(epoch=0)
     calls = []
-    m.instrument(state, lambda: calls.append(1))
+    m.instrument(state, lambda s, committing: calls.append(committing))
     state.commit()
     m.uninstrument(state)
-    assert calls == [1] and "commit" not in vars(state)
+    assert calls == [True] and "commit" not in vars(state)
     m.close()
 
 
@@ -242,9 +242,11 @@ def test_instrument_times_commit_and_check(make: Any) -> None:
     state = make()
     outcome: list[BaseException | None] = [None]
 
-    def checker() -> None:
+    def checker(s: Any, committing: bool) -> None:
         if outcome[0] is not None:
             raise outcome[0]
+        if committing:
+            s.record_commit()
 
     m.instrument(state, checker)
     for _ in range(3):
@@ -265,7 +267,7 @@ def test_instrument_times_commit_and_check(make: Any) -> None:
     assert sample(m, "peer_elastic_check_seconds_count") == 5
     m.uninstrument(state)
     assert "commit" not in vars(state)
-    state._bind(None)
+    state.attach(None)
     state.commit()  # the class's method again, untimed
     assert sample(m, "peer_elastic_commit_seconds_count") == 4
     if isinstance(state, ObjectState):
@@ -277,15 +279,15 @@ def test_instrument_leaves_a_state_without_instance_attributes_untimed() -> None
     class Slotted:
         __slots__ = ("_checker",)
 
-        def _bind(self, checker: Any) -> None:
+        def attach(self, checker: Any) -> None:
             self._checker = checker
 
         def commit(self) -> None:
-            self._checker()
+            self._checker(self, True)
 
     m = pm.PeerMetrics()
     s = Slotted()
-    m.instrument(s, lambda: None)
+    m.instrument(s, lambda state, committing: None)
     s.commit()
     m.uninstrument(s)
     assert sample(m, "peer_elastic_check_seconds_count") == 1

@@ -304,6 +304,14 @@ def _merge_worker(rank: int, world: int, outdir: Path) -> None:
     out["synced"] = s.processed_mask.clone()
     out["shard"] = torch.tensor(list(s), dtype=torch.int64)
 
+    # 2b. same epoch, different progress: the source's progress, never a union (progress
+    # belongs to the source's model, which everybody adopts with it).
+    s.set_epoch(0)
+    s.record_indices(range(10) if rank == 0 else range(10, 20))
+    s.sync()
+    out["adopted"] = s.processed_mask.clone()
+    out["local_after_sync"] = torch.tensor(int(s.has_local_progress))
+
     # 3. a different dataset length fails on every rank, without a hang.
     bad = ElasticSampler(range(n if rank == 0 else n - 1))
     try:
@@ -332,6 +340,8 @@ def test_merge_and_sync_across_two_processes(tmp_path: Path) -> None:
         assert torch.equal(res["merged"], expected)
         assert int(res["epoch"]) == 0
         assert res["synced"].nonzero().flatten().tolist() == list(range(100))
+        assert res["adopted"].nonzero().flatten().tolist() == list(range(10))
+        assert int(res["local_after_sync"]) == 0
         assert int(res["mismatch_raised"]) == 1
         assert float(res["after"]) == 2.0
         assert int(res["state_processed"].sum()) == 8

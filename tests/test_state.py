@@ -14,22 +14,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.errors import HostsUpdatedInterrupt
-from peer_elastic.sampler import ElasticSampler
-from peer_elastic.state import (
+from peer_elastic.handlers import (
     ModuleHandler,
-    ObjectState,
-    State,
     StateHandler,
-    TorchState,
-    broadcast_plain,
-    broadcast_tensors,
-    decode_values,
-    encode_values,
     make_handler,
     register_handler,
     unregister_handler,
 )
+from peer_elastic.sampler import ElasticSampler
+from peer_elastic.state import ObjectState, State, TorchState
+from peer_elastic.torch.collectives import broadcast_plain, broadcast_tensors
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -69,11 +65,14 @@ def _assert_same(a: Any, b: Any, path: str = "") -> None:
 
 @pytest.fixture
 def clean_registry():
-    from peer_elastic import state as state_mod
+    from peer_elastic import handlers
 
-    saved = list(state_mod._user_handlers)
+    saved = handlers.registered_handlers()
     yield
-    state_mod._user_handlers[:] = saved
+    for type_, _ in handlers.registered_handlers():
+        unregister_handler(type_)
+    for type_, factory in saved:
+        register_handler(type_, factory)
 
 
 # --- commit / restore ------------------------------------------------------------------------
@@ -208,16 +207,18 @@ def test_reassigning_a_handled_attribute_gets_a_new_handler() -> None:
 # --- host updates and reset --------------------------------------------------------------------
 
 
-def test_commit_saves_then_raises_from_the_bound_checker() -> None:
+def test_commit_saves_then_raises_from_the_attached_checker() -> None:
     state = ObjectState(batch=0)
-    state.commit()  # unbound: no-op check
+    state.commit()  # detached: just a save
     pending = {"flag": False}
 
-    def checker() -> None:
+    def checker(s: State, committing: bool) -> None:
+        if committing:  # the run loop's checker saves once the ranks agreed
+            s.record_commit()
         if pending["flag"]:
             raise HostsUpdatedInterrupt(skip_sync=True)
 
-    state._bind(checker)
+    state.attach(checker)
     state.batch = 4
     state.commit()
     pending["flag"] = True
@@ -229,7 +230,7 @@ def test_commit_saves_then_raises_from_the_bound_checker() -> None:
     state.restore()
     assert state.batch == 5  # the save happened before the check raised
     assert state.commit_count == 3
-    state._bind(None)
+    state.attach(None)
     state.check_host_updates()
 
 

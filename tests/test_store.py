@@ -273,7 +273,8 @@ def test_keys_live_on_the_lease(client: EtcdClient, prefix: str) -> None:
     s.multi_set(["m"], [b"v"])
     s.append("l", b"v")
     kvs, _ = client.get_prefix(prefix)
-    assert len(kvs) == 5 and all(kv.lease == lease for kv in kvs)
+    # Every key on the lease, add/append's exactly-once marker included (not counted).
+    assert s.num_keys() == 5 and all(kv.lease == lease for kv in kvs)
     client.revoke(lease)
     assert s.num_keys() == 0
 

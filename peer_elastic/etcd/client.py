@@ -186,6 +186,11 @@ class Txn:
         return etcd3.transactions.Delete(key)
 
     @staticmethod
+    def delete_range(start: str, end: str) -> Any:
+        """Delete every key in [start, end)."""
+        return etcd3.transactions.Delete(start, range_end=end)
+
+    @staticmethod
     def get(key: str) -> Any:
         return etcd3.transactions.Get(key)
 
@@ -268,6 +273,9 @@ def map_error(exc: BaseException, what: str) -> Exception:
             and any(s in details for s in ("user name", "authentication", "auth", "permission"))
         ):
             return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
+        if "Received message larger than max" in details:
+            return EtcdRequestTooLarge(
+                f"{what}: etcd's answer is larger than the client accepts ({details})")
         if "too large" in details or "larger than max" in details:
             return EtcdRequestTooLarge(f"{what}: request too large for etcd ({details})")
         if "space exceeded" in details:
@@ -280,6 +288,22 @@ def map_error(exc: BaseException, what: str) -> Exception:
 
 
 # --- the client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultInjection:
+    """Test hook of :class:`EtcdClient` (``client.faults = FaultInjection(...)``).
+
+    ``before(what)`` runs before every attempt of a request (``what`` names it, e.g.
+    ``"transaction on /peer-elastic/job/run"``); it may block or raise. ``lose_response(what)``
+    runs after an attempt that etcd answered: when it returns True the answer is dropped and
+    the attempt fails with a transient error, exactly as when a connection breaks after etcd
+    applied a write (an *ambiguous* failure). The client then retries as it always does,
+    which is what makes non-idempotent writes dangerous and what the tests provoke.
+    """
+
+    before: Callable[[str], None] | None = None
+    lose_response: Callable[[str], bool] | None = None
 
 # gRPC backs off reconnecting exponentially (1 s, 1.6 s, 2.6 s, ... up to 2 min). After an etcd
 # restart that can delay the first keep-alive past a short lease TTL, although etcd itself
@@ -329,6 +353,8 @@ class EtcdClient:
                 root_certificates=files.ca_cert, private_key=files.key,
                 certificate_chain=files.cert)
         self._secure = secure
+        if user is not None and not secure:
+            _warn_plaintext_password(self.describe())
         eps = [
             etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s,
                            opts=_CHANNEL_OPTIONS)
@@ -344,6 +370,7 @@ class EtcdClient:
         #: etcd is disrupted, other members' requests may stall for a full timeout.
         self.disrupted_at = 0.0
         self._raft_term = 0
+        self.faults: FaultInjection | None = None  # tests only; see FaultInjection
         if user is not None:
             self._call(self._authenticate, "authenticate")
 
@@ -378,7 +405,14 @@ class EtcdClient:
 
         def attempt() -> T:
             try:
-                return fn()
+                faults = self.faults
+                if faults is not None and faults.before is not None:
+                    faults.before(what)
+                result = fn()
+                if faults is not None and faults.lose_response is not None \
+                        and faults.lose_response(what):
+                    raise etcd_exc.ConnectionTimeoutError(f"injected: the answer to {what} was lost")
+                return result
             except BaseException as exc:
                 last[:] = [exc]
                 if is_transient(exc):
@@ -434,15 +468,54 @@ class EtcdClient:
 
         return self._call(do, f"get {key}")
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """All keys under ``prefix`` and the store revision they were read at."""
+    def get_prefix(self, prefix: str, page_size: int = 1000) -> tuple[list[KeyValue], int]:
+        """All keys under ``prefix`` and the store revision they were read at.
 
-        def do() -> tuple[list[KeyValue], int]:
-            resp = self._raw.get_prefix_response(prefix)
+        Read in pages of at most ``page_size`` keys, every page at the revision of the first,
+        so the result is one consistent picture however large: a single answer over gRPC's
+        4 MiB receive limit would fail, every time (an event log that grew, a big store). A
+        page still over the limit is read again in halves.
+        """
+        end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+        for _attempt in range(5):
+            start: bytes = etcd3.utils.to_bytes(prefix)
+            revision: int | None = None
+            limit = max(1, page_size)
+            out: list[KeyValue] = []
+            try:
+                while True:
+                    try:
+                        resp = self._call(
+                            lambda s=start, r=revision, n=limit: self._raw.get_range_response(
+                                s, end, limit=n, revision=r), f"get prefix {prefix}")
+                    except EtcdRequestTooLarge:
+                        if limit == 1:
+                            raise
+                        limit = max(1, limit // 2)
+                        continue
+                    self.note_header(resp.header)
+                    if revision is None:
+                        revision = resp.header.revision
+                    out += [KeyValue.from_pb(kv) for kv in resp.kvs]
+                    if not resp.more or not resp.kvs:
+                        return out, revision
+                    start = resp.kvs[-1].key + b"\0"
+            except EtcdError as exc:
+                if "compacted" not in str(exc):
+                    raise
+                # The revision of the first page was compacted mid-read: read again, newer.
+                log.info("get prefix %s: %s; reading again", prefix, exc)
+        raise EtcdError(f"get prefix {prefix}: etcd compacted each revision the read started at")
+
+    def first_keys(self, prefix: str, limit: int) -> list[str]:
+        """The first ``limit`` keys under ``prefix`` in key order (keys only: no values)."""
+
+        def do() -> list[str]:
+            resp = self._raw.get_prefix_response(prefix, limit=limit, keys_only=True)
             self.note_header(resp.header)
-            return [KeyValue.from_pb(kv) for kv in resp.kvs], resp.header.revision
+            return [kv.key.decode("utf-8", "replace") for kv in resp.kvs]
 
-        return self._call(do, f"get prefix {prefix}")
+        return self._call(do, f"list keys {prefix}")
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         """Store ``value``; returns the revision of the write."""
@@ -485,7 +558,8 @@ class EtcdClient:
                     out.append(r)
             return ok, out
 
-        return self._call(do, "transaction")
+        first = next((op.key for op in [*compare, *success] if hasattr(op, "key")), "")
+        return self._call(do, f"transaction on {first}" if first else "transaction")
 
     def create(self, key: str, value: bytes, lease: int | None = None) -> tuple[bool, KeyValue | None]:
         """Create ``key`` only if absent. Returns (created, the existing value if not)."""
@@ -620,6 +694,24 @@ class EtcdClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_plaintext_warned: set[str] = set()
+_plaintext_lock = threading.Lock()
+
+
+def _warn_plaintext_password(endpoints: str) -> None:
+    """Warn once per process and endpoint list: it is allowed (etcd's own clients do it),
+    but the operator should know what it costs."""
+    with _plaintext_lock:
+        if endpoints in _plaintext_warned:
+            return
+        _plaintext_warned.add(endpoints)
+    log.warning(
+        "etcd password auth over plaintext (%s): the password and the auth token cross the "
+        "network unencrypted, so anyone who can see the traffic can act as this etcd user. "
+        "Use TLS: set PEER_ELASTIC_ETCD_CA (the CA of etcd's server certificate) so every "
+        "endpoint is https; see docs/security.md", endpoints)
 
 
 class _Retry(Exception):

@@ -37,8 +37,10 @@ from peer_elastic.errors import (
     ElasticTimeout,
     EtcdError,
     EtcdRequestTooLarge,
+    EtcdUnavailable,
     JobFinished,
     LeaseLost,
+    LeaseNotFound,
     LeaveRequested,
     PeerElasticError,
     RecordError,
@@ -76,6 +78,14 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.25  # longest the coordination thread sleeps without a change
 
+#: The leader keeps the newest this many events of a run and deletes older ones (once
+#: there are 10% more), so the log stays bounded however long a job runs.
+EVENTS_KEPT = 2000
+
+#: How long :meth:`Coordinator.finish` keeps trying to record the end of the run while
+#: etcd does not answer, before it gives up with a clear error.
+FINISH_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -85,7 +95,7 @@ class Assignment:
     rank: int
     size: int
     roster: tuple[str, ...]
-    needs_sync: bool
+    joined: bool  # admitted in this generation (a newcomer or a returning member)
     reason: str
 
 
@@ -93,6 +103,10 @@ def default_host() -> str:
     host = os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname() or "localhost"
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in host)[:64]
     return host if valid_name(host) else "host"
+
+
+class _Closed(PeerElasticError):
+    """Internal: the coordinator was closed while (re-)registering; nothing was registered."""
 
 
 class Coordinator:
@@ -153,6 +167,8 @@ class Coordinator:
         # Lowered when etcd refuses a generation record as too large (a server started with
         # a --max-request-bytes below the default): the next plan caps the roster under it.
         self.roster_budget = ROSTER_BUDGET_BYTES
+        self.events_kept = EVENTS_KEPT  # see EVENTS_KEPT
+        self._pruned_at_count = -1
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -182,11 +198,13 @@ class Coordinator:
     def _register(self) -> None:
         """Find or create the run, then put our member key under a fresh lease."""
         assert self._keeper is not None
+        self._check_not_closed()
         session = Session(self.client, self._wanted.lease_ttl_s, self._keeper, self._on_lease_lost)
         member_id = self._new_member_id()
         try:
             for _attempt in range(20):
                 run_kv = self.client.get(RunKeys(self.job, "x").run_key)
+                self._check_not_closed()  # close() during a rejoin: register nothing
                 if run_kv is None:
                     if self._create_run(session, member_id):
                         break
@@ -211,10 +229,18 @@ class Coordinator:
             session.close(revoke=True)
             raise
         with self._lock:
-            self._session = session
-            self.member_id = member_id
-            self.incarnation += 1
-            self._lost_lease.clear()
+            # close() and this registration race: whichever comes second under the lock
+            # revokes the new lease (close() revokes the session it finds), so a closed
+            # coordinator never leaves a member behind.
+            closed = self._stop.is_set()
+            if not closed:
+                self._session = session
+                self.member_id = member_id
+                self.incarnation += 1
+                self._lost_lease.clear()
+        if closed:
+            session.close(revoke=True)
+            raise _Closed(f"job {self.job!r}: closed while registering; registration undone")
         assert self.run is not None
         self._keeper.keep(self.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost)
         log.info("joined job %s run %s as %s (lease %x)", self.job, self.run.run_id, member_id,
@@ -222,6 +248,10 @@ class Coordinator:
         self._event("joined", detail=f"host {self.host} pid {os.getpid()}")
         # Wait until our own watch shows us, so "am I a member" questions are answered.
         self.view.wait_for(lambda s: member_id in s.members, timeout=max(5.0, self.config.lease_ttl_s))
+
+    def _check_not_closed(self) -> None:
+        if self._stop.is_set():
+            raise _Closed(f"job {self.job!r}: closed; not registering")
 
     def _create_run(self, session: Session, member_id: str) -> bool:
         cfg = self._wanted
@@ -235,13 +265,20 @@ class Coordinator:
         run.config.CopyFrom(cfg)
         keys = RunKeys(self.job, run.run_id)
         rec = self._member_record(member_id, session.lease_id)
-        ok, _ = self.client.txn(
+        data = encode(run)
+        ok, resp = self.client.txn(
             [Txn.version(keys.run_key) == 0],
             [
-                Txn.put(keys.run_key, encode(run), run_lease),
+                Txn.put(keys.run_key, data, run_lease),
                 Txn.put(keys.member(member_id), encode(rec), session.lease_id),
             ],
+            [Txn.get(keys.run_key)],
         )
+        if not ok and _holds(resp, data):
+            # The client retried a create whose answer was lost after etcd applied it: the
+            # run there is ours (its id is fresh), not a rival's. Revoking the lease would
+            # delete the run we just created, and any peer that joined it meanwhile.
+            ok = True
         if not ok:
             self.client.revoke(run_lease)
             return False
@@ -338,7 +375,7 @@ class Coordinator:
         if gen is None or self.member_id not in gen.roster:
             return None
         return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
-                          tuple(gen.roster), gen.needs_sync, gen.reason)
+                          tuple(gen.roster), self.member_id in gen.joined, gen.reason)
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
         """Raise whatever ends this peer's participation: done, fatal error."""
@@ -396,12 +433,25 @@ class Coordinator:
 
     # -- actions requested by the training side ---------------------------------------------------
 
-    def mark_broken(self, generation: int, detail: str = "") -> None:
-        """Say that a collective of ``generation`` failed, so the leader proposes the next now."""
-        assert self.keys is not None
+    def mark_broken(self, generation: int, detail: str = "") -> bool:
+        """Say that a collective of ``generation`` failed, so the leader proposes the next now.
+
+        Best effort; False when etcd did not take it (unreachable, or our lease is gone).
+        The caller is on its way to re-form either way, and must not die of this: the
+        leader also learns of the failure from the other ranks' marks, or at worst from the
+        missing acks of the peer that failed; a lost lease is handled by rejoining.
+        """
+        if self.keys is None:
+            return False
         rec = AckRecord(member_id=self.member_id, generation=generation, unix=time.time(),
                         detail=detail[:500])
-        self.client.put(self.keys.broken(generation, self.member_id), encode(rec), self.lease_id)
+        try:
+            self.client.put(self.keys.broken(generation, self.member_id), encode(rec),
+                            self.lease_id)
+        except EtcdError as exc:
+            log.warning("could not mark generation %d broken: %s", generation, exc)
+            return False
+        return True
 
     def request_leave(self, requested_by: str = "") -> None:
         """Ask to be drained: the next generation forms without this peer, with no rollback."""
@@ -415,30 +465,59 @@ class Coordinator:
         rec = ProgressRecord(unix=time.time(), **fields)
         self.client.put(self.keys.progress, encode(rec), self.run.lease_id)
 
-    def finish(self, success: bool = True, reason: str = "") -> bool:
-        """Write the run's ``done`` record (once: the first writer wins). True if we wrote it."""
+    def finish(self, success: bool = True, reason: str = "",
+               timeout_s: float = FINISH_TIMEOUT_S) -> bool:
+        """Record the end of the run in ``done`` and return once etcd holds it.
+
+        Create-if-absent, so any number of peers may call it (every rank does when training
+        returns) and the first record stays. True if this call wrote it. While etcd does not
+        answer it keeps trying for ``timeout_s``, then raises :class:`EtcdUnavailable`: a
+        run whose end is not recorded would be trained again by the next peer to start.
+        """
         assert self.keys is not None and self.run is not None
         snap = self.snapshot()
         rec = DoneRecord(success=success, reason=reason, written_by=self.member_id,
                          unix=time.time(), generation=snap.generation_number)
-        created, _ = self.client.create(self.keys.done, encode(rec), self.run.lease_id)
+        data = encode(rec)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                created, existing = self.client.create(self.keys.done, data, self.run.lease_id)
+                break
+            except LeaseNotFound:
+                raise PeerElasticError(
+                    f"job {self.job!r}: the end of run {self.run.run_id} cannot be recorded: "
+                    "its lease is gone (no peer kept it alive for run_ttl_s)") from None
+            except EtcdUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise EtcdUnavailable(
+                        f"job {self.job!r}: could not record that run {self.run.run_id} "
+                        f"finished: etcd did not answer for {timeout_s:.0f} s ({exc}). Until "
+                        "it is recorded, a peer that starts would train the job again.") from None
+                log.warning("recording the end of the run: %s; retrying", exc)
+                time.sleep(0.2)
+        # Ours also when the client retried a create whose answer was lost: same bytes.
+        created = created or (existing is not None and existing.value == data)
         if created:
             self._event("done", detail=("success" if success else "failure: " + reason))
         return created
 
     def close(self, leave: bool = True) -> None:
         """Stop coordinating. With ``leave``, revoke the lease so others see us go at once."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
+        with self._lock:  # see the end of _register: close() wins a race with a rejoin
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
         self.view.wake()
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
-        if self._session is not None:
+        with self._lock:
+            session = self._session
+        if session is not None:
             if leave and not self._lost_lease.is_set() and self.snapshot().done is None:
                 self._mark_leaving()
-            self._session.close(revoke=leave)
+            session.close(revoke=leave)
         if self.run is not None and self._keeper is not None:
             self._keeper.forget(self.run.lease_id, self._on_run_lease_lost)
         self._shutdown_threads()
@@ -485,6 +564,8 @@ class Coordinator:
                 return
             try:
                 wake_at = self._step()
+            except _Closed:
+                return
             except EtcdError as exc:
                 log.warning("coordination step failed, retrying: %s", exc)
                 self._stop.wait(0.2)
@@ -576,6 +657,7 @@ class Coordinator:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None
         self._count_failures(snap, cfg)
+        self._prune_events(snap)
         plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget)
         if isinstance(plan, Wait):
             if silent or gen is None or plan.until is not None:
@@ -596,6 +678,25 @@ class Coordinator:
             return None
         self._write_generation(snap, plan, silent)
         return None
+
+    def _prune_events(self, snap: ViewSnapshot) -> None:
+        """Delete the oldest events beyond ``events_kept`` (keys sort by time).
+
+        Unbounded, the log would outgrow what one read may carry and what etcd should hold.
+        Runs when 10% over the cap, so it costs two requests per cap/10 events; not again
+        until the view has seen the deletes (a stale count would delete too much).
+        """
+        keep = max(1, self.events_kept)
+        count = snap.event_count
+        if count <= keep + max(1, keep // 10) or count == self._pruned_at_count:
+            return
+        assert self.keys is not None
+        prefix = self.keys.events_prefix
+        oldest = self.client.first_keys(prefix, count - keep)
+        if oldest:
+            self.client.txn([], [Txn.delete_range(prefix, oldest[-1] + "\0")])
+            log.info("event log: deleted the %d oldest events (keeping %d)", len(oldest), keep)
+        self._pruned_at_count = count
 
     def _etcd_settled_at(self) -> float:
         """When etcd may be taken as settled again after the last disruption we saw: a
@@ -654,14 +755,24 @@ class Coordinator:
         # Drain records of members already gone (bounded: etcd allows 128 ops per txn).
         ops += [Txn.delete(keys.drain(m)) for m in sorted(snap.drains)
                 if m not in snap.members][:20]
+        data = encode(rec)
+        mod = snap.generation_mod_revision
         try:
-            ok = self.client.compare_and_put(
-                keys.generation, encode(rec), snap.generation_mod_revision, run_lease,
-                extra_compare=guards, extra_ops=ops,
+            ok, resp = self.client.txn(
+                [Txn.version(keys.generation) == 0 if mod == 0
+                 else Txn.mod(keys.generation) == mod,
+                 # Only a member writes: a leader whose lease ended after it decided (its
+                 # key is gone, others may already lead) must not install a roster.
+                 Txn.version(keys.member(self.member_id)) > 0,
+                 *guards],
+                [Txn.put(keys.generation, data, run_lease), *ops],
+                [Txn.get(keys.generation)],
             )
         except EtcdRequestTooLarge as exc:
             self._shrink_roster_budget(plan, exc)
             return
+        if not ok and _holds(resp, data):
+            ok = True  # our write applied; the client retried it after losing the answer
         if not ok:
             self.stats["cas_lost"] += 1
             log.debug("generation %d: another writer won", plan.number)
@@ -749,6 +860,12 @@ class Coordinator:
 
     def _event(self, kind: str, detail: str = "", member_id: str | None = None) -> None:
         self.record_event(kind, detail, member_id)
+
+
+def _holds(resp: list, data: bytes) -> bool:
+    """Whether a failed transaction's read (``resp[0]``, one key) found exactly ``data``:
+    a value this peer just encoded (it has a fresh id or time stamp), so its own write."""
+    return bool(resp and resp[0] and resp[0][0].value == data)
 
 
 def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "operator") -> None:

@@ -81,6 +81,7 @@ class _RunState:
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
     done: DoneRecord | None = None
+    events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class ViewSnapshot:
     departures: tuple[Departure, ...]  # recent leaves, oldest first
     alive: Mapping[int, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
     connected_at: float = 0.0  # time.monotonic() when the watch last (re)connected
+    event_count: int = 0  # keys under events/ (the leader prunes the oldest beyond a cap)
     # Members that took themselves out (a hung training thread): never eligible again.
     fenced: Mapping[str, FenceRecord] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -352,7 +354,7 @@ class JobView:
         elif head == "done" and len(path) == 1:
             st.done = decode(DoneRecord, kv.value, kv.key)
         elif head == "events":
-            return
+            st.events.add(kv.key)  # counted for pruning; records are read by the CLI only
         else:
             raise RecordError(f"{kv.key}: unexpected key under the run prefix")
 
@@ -400,6 +402,8 @@ class JobView:
                 self._membership_changed_at = time.monotonic()  # the host is eligible again
         elif head == "failures" and len(path) == 2:
             st.failures.pop(path[1], None)
+        elif head == "events":
+            st.events.discard(key)
         elif head == "progress":
             st.progress = None
         elif head == "done":
@@ -429,6 +433,7 @@ class JobView:
             departures=tuple(self._departures),
             alive=MappingProxyType({n: frozenset(s) for n, s in st.alive.items()}),
             connected_at=self._watch.connected_at,
+            event_count=len(st.events),
             fenced=MappingProxyType(dict(st.fenced)),
         )
 

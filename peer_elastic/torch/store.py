@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +57,10 @@ log = logging.getLogger(__name__)
 __all__ = ["EtcdStore", "StoreAborted", "StoreTimeout"]
 
 AbortFn = Callable[[], str | None]
+
+#: Sub-prefix of the exactly-once markers of add/append (see ``EtcdStore._cas_once``). The
+#: NUL keeps it apart from torch's key names; ``num_keys`` does not count these.
+_MARKER = "\x00applied/"
 
 
 class StoreTimeout(dist.DistStoreError, PeerElasticError):
@@ -159,6 +164,9 @@ class EtcdStore(dist.Store):
         self._abort = abort
         self.abort_poll_s = abort_poll_s
         self.abort_reason: str | None = None  # the reason of the last StoreAborted raised
+        # Markers of add/append calls that returned: deleted by the next such write.
+        self._spent_markers: list[str] = []
+        self._markers_lock = threading.Lock()
         self.set_timeout(timeout)
         with _ALIVE_LOCK:
             _ALIVE.add(self)
@@ -316,20 +324,17 @@ class EtcdStore(dist.Store):
         """Atomically add ``value`` to the decimal counter at ``key`` (missing = 0).
 
         A compare-and-swap loop on the key's mod revision: one round trip per attempt, and
-        an attempt only fails when another peer changed the key in between.
+        an attempt only fails when another peer changed the key in between. Exactly once
+        even when etcd applied an attempt whose answer was lost and the client retried it:
+        see :meth:`_cas_once`.
         """
         full = self._key(key)
         amount = int(value)
         kv = self._client.get(full)
+        mark = self._new_marker()
         while True:
             if kv is None:
-                ok, resp = self._client.txn(
-                    [Txn.version(full) == 0],
-                    [Txn.put(full, str(amount).encode(), self.lease_id)],
-                    [Txn.get(full)],
-                )
-                if ok:
-                    return amount
+                guard, new = Txn.version(full) == 0, amount
             else:
                 try:
                     current = int(kv.value)
@@ -340,15 +345,11 @@ class EtcdStore(dist.Store):
                     ) from None
                 if amount == 0:
                     return current  # a read: torch's barriers poll counters with add(k, 0)
-                new = current + amount
-                ok, resp = self._client.txn(
-                    [Txn.mod(full) == kv.mod_revision],
-                    [Txn.put(full, str(new).encode(), self.lease_id)],
-                    [Txn.get(full)],
-                )
-                if ok:
-                    return new
-            kv = resp[0][0] if resp and resp[0] else None
+                guard, new = Txn.mod(full) == kv.mod_revision, current + amount
+            encoded = str(new).encode()
+            done, kv = self._cas_once(full, guard, encoded, mark, encoded)
+            if done is not None:
+                return int(done)
 
     def compare_set(
         self, key: str, expected_value: bytes | str, desired_value: bytes | str
@@ -385,9 +386,9 @@ class EtcdStore(dist.Store):
         return self._client.delete(self._key(key)) > 0
 
     def num_keys(self) -> int:
-        """How many keys this store's prefix holds."""
+        """How many keys this store's prefix holds (its exactly-once markers not counted)."""
         kvs, _ = self._client.get_prefix(self.prefix)
-        return len(kvs)
+        return sum(1 for kv in kvs if not kv.key.startswith(self.prefix + _MARKER))
 
     # torch's C++ trampoline calls these two by their C++ names.
     deleteKey = delete_key
@@ -411,19 +412,60 @@ class EtcdStore(dist.Store):
             self._client.txn([], puts)
 
     def append(self, key: str, value: bytes | str) -> None:
-        """Atomically append ``value`` to ``key`` (creating it), by compare-and-swap."""
+        """Atomically append ``value`` to ``key`` (creating it), by compare-and-swap; exactly
+        once even across a retried ambiguous failure (see :meth:`_cas_once`)."""
         full = self._key(key)
         data = _to_bytes(value)
         kv = self._client.get(full)
+        mark = self._new_marker()
         while True:
             old, rev = (b"", 0) if kv is None else (kv.value, kv.mod_revision)
             guard = Txn.version(full) == 0 if rev == 0 else Txn.mod(full) == rev
-            ok, resp = self._client.txn(
-                [guard], [Txn.put(full, old + data, self.lease_id)], [Txn.get(full)]
-            )
-            if ok:
+            done, kv = self._cas_once(full, guard, old + data, mark, b"")
+            if done is not None:
                 return
-            kv = resp[0][0] if resp and resp[0] else None
+
+    # -- exactly-once read-modify-write -----------------------------------------------------------
+
+    def _new_marker(self) -> str:
+        return f"{self.prefix}{_MARKER}{secrets.token_hex(8)}"
+
+    def _cas_once(self, full: str, guard: object, new: bytes, mark: str, result: bytes,
+                  ) -> tuple[bytes | None, KeyValue | None]:
+        """One compare-and-swap attempt of ``full`` to ``new`` that is safe to retry.
+
+        The client retries a request whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED),
+        and etcd may have applied it: the retry's compare then fails against our own write,
+        and a plain read-modify-write loop would apply the change a second time. So the
+        write also puts ``mark`` (unique to the caller's one call) holding ``result``, and a
+        failed compare reads it back: present means an earlier attempt of this call applied.
+
+        Returns (``result``, None) when this call's write is in etcd, or (None, the key's
+        current value) to try again from.
+        """
+        lease = self.lease_id
+        with self._markers_lock:
+            spent, self._spent_markers = self._spent_markers, []
+        try:
+            ok, resp = self._client.txn(
+                [guard],
+                [Txn.put(full, new, lease), Txn.put(mark, result, lease),
+                 *[Txn.delete(m) for m in spent]],  # markers of calls already returned
+                [Txn.get(full), Txn.get(mark)],
+            )
+        except BaseException:
+            with self._markers_lock:
+                self._spent_markers += spent
+            raise
+        with self._markers_lock:
+            self._spent_markers += [mark] if ok else [*spent]
+            if not ok and resp[1]:
+                self._spent_markers.append(mark)
+        if ok:
+            return result, None
+        if resp[1]:
+            return resp[1][0].value, None  # applied before; its answer was lost
+        return None, (resp[0][0] if resp[0] else None)
 
     def has_extended_api(self) -> bool:
         """multi_get, multi_set and append are native here."""

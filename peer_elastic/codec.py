@@ -1,0 +1,96 @@
+"""Plain values as bytes without pickle: tagged JSON.
+
+Anything received from another peer is untrusted input, so state values travel as JSON with
+tags for the types JSON lacks (tuples, bytes, dicts with non-string keys). Decoding builds
+only those plain types; a type the codec does not know is refused when encoding, with a
+message that says how to send it instead (a state handler).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["copy_plain", "decode_values", "encode_values"]
+
+_TAG_TUPLE, _TAG_BYTES, _TAG_DICT = "t", "b", "d"
+_PLAIN_TYPES = "None, bool, int, float, str, bytes, and lists/tuples/dicts of those"
+
+
+def _encode(value: Any, path: str) -> Any:
+    """One value to a JSON-able tree. Containers become tagged objects so that tuples, bytes
+    and non-string dict keys survive; JSON objects only ever appear as tags."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return str.__str__(value)  # the characters, also for str enums
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, bytes):
+        return {_TAG_BYTES: base64.b64encode(value).decode("ascii")}
+    if type(value) is list:
+        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return {_TAG_TUPLE: [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if type(value) is dict:
+        return {
+            _TAG_DICT: [
+                [_encode(k, f"{path} key"), _encode(v, f"{path}[{k!r}]")] for k, v in value.items()
+            ]
+        }
+    raise TypeError(
+        f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which sync() cannot "
+        f"send without pickle. Keep plain values ({_PLAIN_TYPES}) in the state, or register a "
+        f"handler for this type with peer_elastic.register_handler(type, factory) and "
+        f"pass the object to TorchState."
+    )
+
+
+def _decode(obj: Any) -> Any:
+    """Inverse of ``_encode``; raises ValueError on anything ``_encode`` cannot produce."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, dict) and len(obj) == 1:
+        ((tag, payload),) = obj.items()
+        if tag == _TAG_TUPLE and isinstance(payload, list):
+            return tuple(_decode(v) for v in payload)
+        if tag == _TAG_BYTES and isinstance(payload, str):
+            return base64.b64decode(payload, validate=True)
+        if tag == _TAG_DICT and isinstance(payload, list):
+            try:
+                return {_decode(k): _decode(v) for k, v in payload}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"malformed dict in state payload: {exc}") from None
+    raise ValueError(f"malformed state payload: unexpected {type(obj).__name__}")
+
+
+def encode_values(values: Mapping[str, Any], where: str = "state") -> bytes:
+    """Encode named plain values to bytes (UTF-8 JSON). TypeError names the offending path."""
+    tree = {name: _encode(value, f"{where}.{name}") for name, value in values.items()}
+    return json.dumps(tree, separators=(",", ":"), allow_nan=True).encode("utf-8")
+
+
+def decode_values(data: bytes) -> dict[str, Any]:
+    """Decode ``encode_values`` output (safe on untrusted bytes: JSON only)."""
+    tree = json.loads(data.decode("utf-8"))
+    if not isinstance(tree, dict):
+        raise ValueError("malformed state payload: top level is not an object")
+    return {str(name): _decode(value) for name, value in tree.items()}
+
+
+def copy_plain(value: Any) -> Any:
+    """Snapshot of a plain value: containers deep (they are small), anything else shallow."""
+    if isinstance(value, (list, tuple, dict, set)):
+        return copy.deepcopy(value)
+    return copy.copy(value)
