@@ -10,6 +10,9 @@ started by systemd or a scheduler need none:
                             for client-certificate auth
 ``PEER_ELASTIC_ETCD_USER``  etcd user (``PEER_ELASTIC_ETCD_PASSWORD`` its password)
 ``PEER_ELASTIC_MIN_NP`` ..  every job setting; see :data:`peer_elastic.config.JOB_FIELDS`
+``PEER_ELASTIC_HANG_TIMEOUT``  job setting ``hang_timeout_s`` (default 30; 0 = off): a
+                            training thread stuck this long in its own code makes its peer
+                            dump its stacks, leave and exit 5 (:data:`EXIT_HUNG`)
 ``PEER_ELASTIC_BACKEND``    ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``
 ``PEER_ELASTIC_COLLECTIVE_TIMEOUT``  seconds before a stuck collective fails (default 30)
 ``PEER_ELASTIC_ABANDON_COLLECTIVES``  ``1`` (default): a collective stuck on a peer whose
@@ -48,6 +51,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import PeerMetrics
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,10 @@ R = TypeVar("R")
 #: Exit code of a peer whose job failed as a whole (reset limit, elastic timeout, a failed
 #: ``done`` record): restarting it cannot help. A crash of the peer itself exits otherwise.
 EXIT_JOB_FAILED = 4
+
+#: Exit code of a peer whose training thread hung (``hang_timeout_s``): it fenced itself out
+#: of the job; restarted, it joins as a new member (defined in :mod:`peer_elastic.liveness`).
+__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join", "run"]
 
 _active: Peer | None = None
 
@@ -102,7 +110,12 @@ def join(
     """Join (or start) an elastic job; leaving the block leaves the job gracefully.
 
     ``settings`` are the other job settings (``lease_ttl_s``, ``join_timeout_s``,
-    ``elastic_timeout_s``, ``reset_limit``, ...). ``abandon_hung_collectives`` (default on)
+    ``elastic_timeout_s``, ``reset_limit``, ``hang_timeout_s``, ...). ``hang_timeout_s``
+    (default 30 s, 0 = off): a peer whose training thread spends that long inside the
+    training function, outside any collective, without reaching a step
+    (``check_host_updates()``/``commit()``) is hung; it dumps the stacks of all its threads
+    to stderr, records a ``hung`` event, leaves the job at once and exits
+    :data:`EXIT_HUNG` (5), so a supervisor restarts it. ``abandon_hung_collectives`` (default on)
     makes a collective that waits on a peer whose lease is gone fail ``join_timeout_s``
     later instead of at the collective timeout. With ``handle_sigterm`` (and when called
     from the main thread) SIGTERM drains this peer: the others reset at their next check

@@ -55,6 +55,9 @@ JOB_FIELDS: tuple[_Field, ...] = (
            "quiet time before the first generation, unless max_np peers are already there"),
     _Field("run_ttl_s", "PEER_ELASTIC_RUN_TTL", float, 60.0,
            "how long a run's keys (and its done record) outlive its last peer"),
+    _Field("hang_timeout_s", "PEER_ELASTIC_HANG_TIMEOUT", float, 30.0,
+           "a peer whose training thread spends this long in its own code without reaching "
+           "a step (outside collectives) dumps its stacks, leaves and exits 5 (0 = off)"),
 )
 _BY_NAME = {f.name: f for f in JOB_FIELDS}
 
@@ -74,6 +77,7 @@ class JobSettings:
     settle_s: float | None = None
     start_settle_s: float | None = None
     run_ttl_s: float | None = None
+    hang_timeout_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:
@@ -152,6 +156,9 @@ def validate(cfg: JobConfig) -> None:
     for name in ("settle_s", "start_settle_s"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
+    if not math.isfinite(cfg.hang_timeout_s) or cfg.hang_timeout_s < 0:
+        raise ConfigError(f"hang_timeout_s must be 0 (off) or a positive number of seconds, "
+                          f"got {cfg.hang_timeout_s}")
     if cfg.run_ttl_s < cfg.lease_ttl_s:
         raise ConfigError(f"run_ttl_s ({cfg.run_ttl_s}) must be at least lease_ttl_s "
                           f"({cfg.lease_ttl_s})")

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
@@ -42,6 +43,7 @@ from peer_elastic.errors import (
     PeerElasticError,
 )
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.liveness import TrainingWatch
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
@@ -79,6 +81,9 @@ class Peer:
                 wake=coordinator.view.wake,
                 grace_s=lambda: float(coordinator.config.join_timeout_s or 1.0),
             )
+        # Training-thread liveness (peer_elastic.liveness): a training thread stuck in its own
+        # code for hang_timeout_s makes this peer dump its stacks, fence itself and exit.
+        self._liveness = TrainingWatch(coordinator, lambda: self.generation)
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None
@@ -152,6 +157,7 @@ class Peer:
             if committing:
                 state.record_commit()
             return
+        self._liveness.stepped()
         if self._pending_timing is not None:
             self._publish_timing()
         current = group.assignment.generation
@@ -169,10 +175,12 @@ class Peer:
         if buf is None:
             buf = self._check_buf = torch.zeros(2, dtype=torch.int64, device=self.device)
         buf[0], buf[1] = want, int(local)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-        reset, merge = int(buf[0].item()) > current, bool(buf[1].item())
+        with self._liveness.collective():  # waiting here is waiting on the others
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            reset, merge = int(buf[0].item()) > current, bool(buf[1].item())
         if merge and state is not None:
-            state.merge_progress()
+            with self._liveness.collective():
+                state.merge_progress()
         if committing:
             state.record_commit()
             self._live = self._committed = self._live.committed()
@@ -195,12 +203,14 @@ class Peer:
             self.metrics.instrument(state, self._check)
         if self._watchdog is not None:
             self._watchdog.start()
+        self._liveness.start()
         after = 0
         try:
             while True:
                 try:
                     self._reset(state, after)
-                    result = func(state, *args, **kwargs)
+                    with self._liveness.training():  # only time in here can be a hang
+                        result = func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt as exc:
                     log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
                     after = self.generation
@@ -339,7 +349,18 @@ class Peer:
         if self.rank == 0:
             self._progress.offer(generation=self.generation, world_size=self.size, **fields)
 
+    def waiting_on_peers(self) -> AbstractContextManager[None]:
+        """Mark a wait on other peers that the hang detector cannot see on the stack.
+
+        Collectives under ``torch.distributed``, DDP and backward are recognised by
+        themselves; wrap anything else that blocks until other peers act (an async
+        ``Work.wait()`` from your own code, a device sync that waits for an nccl
+        collective) so that time is never taken for a hang of this peer.
+        """
+        return self._liveness.collective()
+
     def close(self) -> None:
+        self._liveness.stop()
         self._progress.stop()
         if self._watchdog is not None:
             self._watchdog.stop()

@@ -20,6 +20,8 @@ from peer_elastic.proto.records_pb2 import (
     DoneRecord,
     DrainRecord,
     EventRecord,
+    FenceCause,
+    FenceRecord,
     GenerationRecord,
     HostRecord,
     JobConfig,
@@ -29,7 +31,8 @@ from peer_elastic.proto.records_pb2 import (
 )
 
 __all__ = [
-    "SCHEMA", "AckRecord", "DoneRecord", "DrainRecord", "EventRecord", "GenerationRecord",
+    "SCHEMA", "AckRecord", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
+    "FenceRecord", "GenerationRecord",
     "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord",
     "encode", "decode", "valid_name",
 ]
@@ -117,3 +120,10 @@ def _validate(record: Message, key: str) -> None:
     elif isinstance(record, (AckRecord, DrainRecord)):
         if not valid_name(record.member_id):
             raise bad(f"member id {record.member_id!r}")
+    elif isinstance(record, FenceRecord):
+        if not valid_name(record.member_id):
+            raise bad(f"member id {record.member_id!r}")
+        # proto3 enums are open: a number this peer does not know parses without error.
+        if record.cause == FenceCause.FENCE_CAUSE_UNSPECIFIED or \
+                record.cause not in FenceCause.values():
+            raise bad(f"unknown fence cause {record.cause}")

@@ -890,6 +890,7 @@ def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "ope
 RUNTIME_SETTINGS = frozenset({
     "min_np", "max_np", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after",
     "blacklist_cooldown_s", "settle_s", "start_settle_s", "paused",
+    "hang_timeout_s",  # read from the watched run record at every look of the hang detector
 })
 
 

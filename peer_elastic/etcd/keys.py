@@ -9,6 +9,7 @@
 /peer-elastic/<job>/<run>/gen/<n>/alive/<m>     AckRecord (member lease): "n broke, I live"
 /peer-elastic/<job>/<run>/gen/<n>/store/...     torch Store keys (run lease)
 /peer-elastic/<job>/<run>/drain/<member>        DrainRecord (run lease)
+/peer-elastic/<job>/<run>/fenced/<member>       FenceRecord (run lease): it took itself out
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)
 /peer-elastic/<job>/<run>/progress              ProgressRecord (run lease)
@@ -83,6 +84,9 @@ class RunKeys:
 
     def drain(self, member_id: str) -> str:
         return f"{self.prefix}drain/{member_id}"
+
+    def fenced(self, member_id: str) -> str:
+        return f"{self.prefix}fenced/{member_id}"
 
     def failures(self, host: str) -> str:
         return f"{self.prefix}failures/{host}"

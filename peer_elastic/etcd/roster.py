@@ -5,7 +5,7 @@ one place and makes it easy to test without etcd.
 
 Rules:
 
-* Eligible members are live, not drained, not on a blacklisted host, and not *silent*
+* Eligible members are live, not drained, not fenced, not on a blacklisted host, and not *silent*
   (in the current roster, yet without an ack past ``join_timeout``).
 * The next roster keeps the surviving members of the current roster in their rank order,
   then adds newcomers oldest first, up to ``max_np``. Rank 0 is therefore the oldest
@@ -143,7 +143,11 @@ def plan_next_generation(
         parts.append("broken by " + _names(sorted(snap.broken[gen.number])))  # type: ignore[union-attr]
     if dropped:
         parts.append("dropped (no ack within join_timeout): " + _names(dropped))
-    left = [m for m in removed if m not in dropped]
+    # A member that fenced itself (its training thread hung) went with a record saying so.
+    hung = [m for m in removed if m not in dropped and m in snap.fenced]
+    if hung:
+        parts.append("hung (training thread stuck past hang_timeout_s): " + _names(hung))
+    left = [m for m in removed if m not in dropped and m not in snap.fenced]
     if left:
         parts.append("left: " + _names(left))
     if joined and gen is not None:

@@ -26,6 +26,7 @@ from peer_elastic.records import (
     AckRecord,
     DoneRecord,
     DrainRecord,
+    FenceRecord,
     GenerationRecord,
     HostRecord,
     MemberRecord,
@@ -75,6 +76,7 @@ class _RunState:
     alive: dict[int, set[str]] = field(default_factory=dict)
     broken: dict[int, dict[str, str]] = field(default_factory=dict)
     drains: set[str] = field(default_factory=set)
+    fenced: dict[str, FenceRecord] = field(default_factory=dict)
     blacklist: dict[str, HostRecord] = field(default_factory=dict)
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
@@ -106,6 +108,8 @@ class ViewSnapshot:
     alive: Mapping[int, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))
     connected_at: float = 0.0  # time.monotonic() when the watch last (re)connected
     event_count: int = 0  # keys under events/ (the leader prunes the oldest beyond a cap)
+    # Members that took themselves out (a hung training thread): never eligible again.
+    fenced: Mapping[str, FenceRecord] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def generation_number(self) -> int:
@@ -119,14 +123,16 @@ class ViewSnapshot:
         return self.alive.get(n, frozenset())
 
     def eligible(self) -> list[Member]:
-        """Members, oldest first, that may be in a roster: not drained, host not blacklisted.
+        """Members, oldest first, that may be in a roster: not drained, not fenced, host not
+        blacklisted.
 
         Computed once per snapshot (many members of one process read the same snapshot).
         """
         cached = self.__dict__.get("_eligible")
         if cached is None:
             cached = tuple(m for m in self.by_age
-                           if m.id not in self.drains and m.host not in self.blacklist)
+                           if m.id not in self.drains and m.id not in self.fenced
+                           and m.host not in self.blacklist)
             object.__setattr__(self, "_eligible", cached)
         return list(cached)
 
@@ -330,6 +336,13 @@ class JobView:
             if path[1] not in st.drains:
                 self._membership_changed_at = time.monotonic()  # eligibility changed
             st.drains.add(path[1])
+        elif head == "fenced" and len(path) == 2:
+            rec = decode(FenceRecord, kv.value, kv.key)
+            if rec.member_id != path[1]:
+                raise RecordError(f"{kv.key}: member id {rec.member_id!r} does not match its key")
+            if path[1] not in st.fenced:
+                self._membership_changed_at = time.monotonic()  # eligibility changed
+            st.fenced[path[1]] = rec
         elif head == "blacklist" and len(path) == 2:
             if path[1] not in st.blacklist:
                 self._membership_changed_at = time.monotonic()
@@ -382,6 +395,8 @@ class JobView:
                     st.broken.get(n, {}).pop(path[3], None)
         elif head == "drain" and len(path) == 2:
             st.drains.discard(path[1])
+        elif head == "fenced" and len(path) == 2:
+            st.fenced.pop(path[1], None)
         elif head == "blacklist" and len(path) == 2:
             if st.blacklist.pop(path[1], None) is not None:
                 self._membership_changed_at = time.monotonic()  # the host is eligible again
@@ -419,6 +434,7 @@ class JobView:
             alive=MappingProxyType({n: frozenset(s) for n, s in st.alive.items()}),
             connected_at=self._watch.connected_at,
             event_count=len(st.events),
+            fenced=MappingProxyType(dict(st.fenced)),
         )
 
 

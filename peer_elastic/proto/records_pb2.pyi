@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FenceCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FENCE_CAUSE_UNSPECIFIED: _ClassVar[FenceCause]
+    FENCE_CAUSE_HUNG: _ClassVar[FenceCause]
+FENCE_CAUSE_UNSPECIFIED: FenceCause
+FENCE_CAUSE_HUNG: FenceCause
+
 class JobConfig(_message.Message):
-    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused")
+    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s")
     MIN_NP_FIELD_NUMBER: _ClassVar[int]
     MAX_NP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +28,7 @@ class JobConfig(_message.Message):
     START_SETTLE_S_FIELD_NUMBER: _ClassVar[int]
     RUN_TTL_S_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     min_np: int
     max_np: int
     lease_ttl_s: float
@@ -32,7 +41,8 @@ class JobConfig(_message.Message):
     start_settle_s: float
     run_ttl_s: float
     paused: bool
-    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ...) -> None: ...
+    hang_timeout_s: float
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RunRecord(_message.Message):
     __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by", "overridden")
@@ -132,6 +142,22 @@ class DrainRecord(_message.Message):
     requested_by: str
     unix: float
     def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., requested_by: _Optional[str] = ..., unix: _Optional[float] = ...) -> None: ...
+
+class FenceRecord(_message.Message):
+    __slots__ = ("schema", "member_id", "cause", "detail", "unix", "generation")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    member_id: str
+    cause: FenceCause
+    detail: str
+    unix: float
+    generation: int
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., cause: _Optional[_Union[FenceCause, str]] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HostRecord(_message.Message):
     __slots__ = ("schema", "host", "failures", "unix", "reason")

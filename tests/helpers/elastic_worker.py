@@ -27,12 +27,14 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
   the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
   the epochs actually trained). Lets a test end the job as soon as its schedule is done.
-* ``WORKER_HANG_AT=<epoch>:<batch>``: the chosen peer's training thread blocks forever at
-  the start of that batch while the process (its coordination thread, its lease) lives.
-  Chosen: every peer with the variable set, or only the one whose rank there is
-  ``WORKER_HANG_RANK``. ``WORKER_HANG_FILE=path``: a peer whose pid is a line of that file
-  blocks at its next batch (a test picks a running peer). Prints ``HANG <epoch> <batch>
-  <generation>`` first.
+* ``WORKER_HANG_AT=<epoch>:<batch>[:<rank>]``: the training thread blocks forever at the
+  start of that batch (on that rank only, if given) while the process (its coordination
+  thread, its lease) lives; with ``WORKER_HANG_FLAG=path`` only the first process to get
+  there (it creates the file). ``WORKER_HANG_FILE=path``: a peer whose pid is a line of that
+  file blocks at its next batch (a test picks a running peer). Prints ``HANGING <pid>
+  <epoch> <batch> <generation>`` first.
+* ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
+  (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
 
 Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation,
 ``STEP <epoch> <batch> <generation>`` every few batches, and on rank 0 at the end
@@ -71,25 +73,55 @@ USE_DDP = os.environ.get("WORKER_DDP") == "1"
 if RECORD not in ("batch", "indices", "local"):
     raise SystemExit(f"WORKER_RECORD={RECORD!r}: expected batch, indices or local")
 
+# --- stalls: WORKER_HANG_AT / WORKER_HANG_FLAG / WORKER_HANG_FILE / WORKER_SLOW_AT ------------
+HANG_AT = os.environ.get("WORKER_HANG_AT")
+HANG_FLAG = os.environ.get("WORKER_HANG_FLAG")
+HANG_FILE = os.environ.get("WORKER_HANG_FILE")
+SLOW_AT = os.environ.get("WORKER_SLOW_AT")
 
-# --- hung training thread (WORKER_HANG_AT / WORKER_HANG_RANK / WORKER_HANG_FILE) -------------
-HANG_AT = os.environ.get("WORKER_HANG_AT", "")
-HANG_RANK = os.environ.get("WORKER_HANG_RANK", "")
-HANG_FILE = os.environ.get("WORKER_HANG_FILE", "")
+
+def _at(spec: str | None, epoch: int, batch: int, rank: int, fields: int) -> list[str] | None:
+    """The extra fields of ``spec`` ("epoch:batch:<fields>[:rank]") if it names this batch."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != epoch or int(parts[1]) != batch:
+        return None
+    extra = parts[2:2 + fields]
+    if len(parts) > 2 + fields and int(parts[2 + fields]) != rank:
+        return None
+    return extra
 
 
-def maybe_hang(epoch: int, batch: int, rank: int, generation: int) -> None:
-    """Block this (training) thread forever if this peer was chosen to hang here."""
-    at = f"{epoch}:{batch}" == HANG_AT and (HANG_RANK == "" or int(HANG_RANK) == rank)
-    if not at and HANG_FILE:
-        try:
-            with open(HANG_FILE) as f:
-                at = str(os.getpid()) in f.read().split()
-        except FileNotFoundError:
-            pass
-    if at:
-        print("HANG", epoch, batch, generation, flush=True)
-        threading.Event().wait()  # forever; the coordination thread and the lease live on
+def _named_in_hang_file() -> bool:
+    try:
+        with open(HANG_FILE) as f:  # type: ignore[arg-type]
+            return str(os.getpid()) in f.read().split()
+    except (FileNotFoundError, TypeError):
+        return False
+
+
+def hang_forever(epoch: int, batch: int, generation: int) -> None:
+    """A training thread stuck for good (a data loader that never yields, say); the
+    coordination thread and the lease live on."""
+    say("HANGING", os.getpid(), epoch, batch, generation)
+    threading.Event().wait()
+
+
+def maybe_stall(epoch: int, batch: int, rank: int, generation: int) -> None:
+    if _at(HANG_AT, epoch, batch, rank, 0) is not None:
+        if HANG_FLAG:
+            try:
+                os.close(os.open(HANG_FLAG, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # another process hung already
+        hang_forever(epoch, batch, generation)
+    if HANG_FILE and _named_in_hang_file():
+        hang_forever(epoch, batch, generation)
+    slow = _at(SLOW_AT, epoch, batch, rank, 1)
+    if slow is not None:
+        say("SLOW", epoch, batch, slow[0])
+        time.sleep(float(slow[0]))  # a long step (evaluation, a slow batch)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -176,7 +208,7 @@ def main() -> int:
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
                 for b in range(int(nb)):
-                    maybe_hang(state.epoch, b, peer.rank, peer.generation)
+                    maybe_stall(state.epoch, b, peer.rank, peer.generation)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()

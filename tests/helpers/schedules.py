@@ -392,7 +392,7 @@ class ScheduleRunner(ChaosRunner):
             f.write(f"{p.pid}\n")
         n0 = len(p.proc.lines)
         if not self.wait_for(f"{p.name} to hang", lambda: any(
-                line.startswith("HANG ") for line in p.proc.lines[n0:]), timeout=60, peers=[p]):
+                line.startswith("HANGING ") for line in p.proc.lines[n0:]), timeout=60, peers=[p]):
             return
         p.state = "hung"
         hung_at = time.monotonic()

@@ -1,0 +1,397 @@
+"""Training-thread liveness: a peer whose training thread hangs while its process lives.
+
+Every proof of life the coordination layer gives (the lease, ``ready`` and ``alive`` acks)
+comes from the coordination thread. A training thread stuck for good in its own code (a
+data loader that never yields, a device call that never returns, a deadlock) leaves that
+proof intact, and the other peers wait for it in their next collective forever (or until
+the collective timeout, after which they re-form *with* it and wait again).
+
+So the training thread is watched too:
+
+* :class:`TrainingLiveness` is written by the training thread at a few points that cost a
+  clock read each: entering and leaving the user's training function, each step
+  (``check_host_updates()``, also inside ``commit()``), and around peer-elastic's own
+  collectives;
+* :class:`HangDetector` decides, from that record, a clock and the training thread's Python
+  stack, whether the thread is hung: it has been inside the training function, outside any
+  collective, for ``hang_timeout_s`` since it last made progress. Progress is a step, the
+  start of the training function, and the end of a wait on other peers. A wait on other
+  peers is a marked collective of our own, or a stack with a frame under
+  ``torch/distributed/``, DDP, or the autograd engine's backward (where DDP's all-reduces
+  run); the stack is sampled every ``min(1 s, hang_timeout_s / 10)``. Time spent outside the
+  training function (forming a group, waiting as a standby, syncing state, reset
+  callbacks) never counts, nor does time the whole process did not run (SIGSTOP, swapping):
+  the monitor notices it woke up late and starts the clock afresh;
+* :class:`HangMonitor` is the thread that polls the detector and, on a hang, calls
+  :func:`respond_to_hang`: dump every thread's stack (faulthandler) to stderr, fence the
+  member (:func:`peer_elastic.etcd.fence.fence_member`: event, fence record, member key and
+  lease gone, so the others drop it at once with the reason "hung"), and exit the process
+  with :data:`EXIT_HUNG`, so that systemd or a scheduler restarts it as a new member.
+
+Why a peer waiting on the hung one is not declared hung itself: it is in a collective (the
+hung peer is the one in its own code), and a collective restarts its clock. Why a slow
+step is not: the clock only runs out after ``hang_timeout_s`` of user code with no step and
+no collective in between; a step shorter than that can never do it.
+
+Nothing here imports torch: the detector is tested with a fake clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from types import FrameType
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a peer that fenced itself because its training thread hung. Not 4
+#: (EXIT_JOB_FAILED): the job goes on, and a restarted peer joins it as a new member.
+EXIT_HUNG = 5
+
+#: How late the monitor may wake before it concludes that the process did not run (stopped,
+#: swapped out, starved) and restarts the clock instead of blaming the training thread.
+FREEZE_SLACK_S = 1.0
+
+#: Longest the response to a hang may take (stack dump, etcd writes): past it, faulthandler's
+#: own thread dumps the stacks again and ends the process (exit status 1).
+RESPONSE_BUDGET_S = 60.0
+
+# Frames that mean "waiting on other peers". DDP's forward broadcasts buffers, and its
+# all-reduces run inside backward, called from the autograd engine.
+_PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py")
+_AUTOGRAD_PATH = "/torch/autograd/"
+_BACKWARD_NAMES = frozenset({"backward", "grad", "_engine_run_backward", "run_backward"})
+
+
+class Activity(Enum):
+    """Where the training thread is, as far as liveness is concerned."""
+
+    OUTSIDE = "outside"  # not in the training function: reset path, standby, before or after
+    TRAINING = "training"  # inside the user's training function
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """One consistent reading of :class:`TrainingLiveness`."""
+
+    activity: Activity
+    thread_id: int | None
+    progress_at: float  # clock time of the last step, training start or end of a collective
+    in_collective: bool  # inside a collective that marked itself
+    steps: int
+
+
+class _Collective:
+    """``with liveness.collective():`` marks a wait on other peers (reusable, reentrant)."""
+
+    def __init__(self, owner: TrainingLiveness) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        self._owner._enter_collective()
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner._leave_collective()
+
+
+class TrainingLiveness:
+    """What the training thread is doing, written by it, read by the monitor."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._activity = Activity.OUTSIDE
+        self._thread: int | None = None
+        self._progress_at = clock()
+        self._depth = 0
+        self._steps = 0
+        self._collective = _Collective(self)
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the call of the user's training function, on the training thread."""
+        with self._lock:
+            self._activity, self._thread = Activity.TRAINING, threading.get_ident()
+            self._progress_at, self._depth = self._clock(), 0
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._activity, self._thread = Activity.OUTSIDE, None
+                self._progress_at, self._depth = self._clock(), 0
+
+    def stepped(self) -> None:
+        """The training thread reached a step (``check_host_updates()``)."""
+        with self._lock:
+            self._progress_at = self._clock()
+            self._steps += 1
+
+    def collective(self) -> _Collective:
+        """A context manager marking a wait on other peers the stack may not show."""
+        return self._collective
+
+    def _enter_collective(self) -> None:
+        with self._lock:
+            self._depth += 1
+
+    def _leave_collective(self) -> None:
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            self._progress_at = self._clock()  # it waited for the others: that was progress
+
+    def read(self) -> TrainingRecord:
+        with self._lock:
+            return TrainingRecord(self._activity, self._thread, self._progress_at,
+                                  self._depth > 0, self._steps)
+
+
+def frame_waits_on_peers(frame: FrameType | None) -> bool:
+    """True when a Python stack (innermost ``frame``) is inside a collective or backward."""
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if any(p in path for p in _PEER_WAIT_PATHS):
+            return True
+        if _AUTOGRAD_PATH in path and code.co_name in _BACKWARD_NAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def thread_waits_on_peers(thread_id: int) -> bool:
+    """:func:`frame_waits_on_peers` for another thread's current stack."""
+    return frame_waits_on_peers(sys._current_frames().get(thread_id))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One look at the training thread."""
+
+    hung: bool
+    idle_s: float  # time in its own code since it last made progress (0 when not counted)
+    timeout_s: float
+    look_again_at: float  # clock time of the next look
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """What a hung peer says about itself (log, stderr, event log, fence record)."""
+
+    idle_s: float
+    timeout_s: float
+    thread_id: int
+    thread_name: str
+    where: tuple[str, ...]  # innermost frames first, "file:line in function"
+
+    def summary(self) -> str:
+        at = " <- ".join(self.where) if self.where else "unknown"
+        return (f"training thread {self.thread_name!r} made no progress for {self.idle_s:.1f} s "
+                f"in its own code, outside any collective (hang_timeout_s="
+                f"{self.timeout_s:g}); at {at}")
+
+
+def sample_period(timeout_s: float) -> float:
+    """How often the stack is looked at: often enough that a collective's end is placed
+    within a tenth of the timeout, never more than once a second."""
+    return min(1.0, max(0.05, timeout_s / 10))
+
+
+class HangDetector:
+    """Decides whether the training thread is hung; the clock and the stack probe are
+    injected, so it is tested without threads or torch."""
+
+    def __init__(
+        self,
+        liveness: TrainingLiveness,
+        timeout_s: Callable[[], float],
+        *,
+        waits_on_peers: Callable[[int], bool] = thread_waits_on_peers,
+        clock: Callable[[], float] = time.monotonic,
+        freeze_slack_s: float = FREEZE_SLACK_S,
+    ) -> None:
+        self._liveness = liveness
+        self._timeout_s = timeout_s
+        self._waits_on_peers = waits_on_peers
+        self._clock = clock
+        self._freeze_slack_s = freeze_slack_s
+        # Last time the thread was seen waiting on peers, or the process resumed from a
+        # freeze: the clock runs from the later of this and the recorded progress.
+        self._credit_at = -math.inf
+        self._planned_at: float | None = None
+        self.freezes = 0
+
+    def poll(self) -> Verdict:
+        now = self._clock()
+        if self._planned_at is not None and now - self._planned_at > self._freeze_slack_s:
+            # We woke up much later than planned: the process (or this thread) did not run.
+            # The training thread cannot be blamed for that time.
+            self.freezes += 1
+            self._credit_at = now
+            log.info("hang monitor woke %.1f s late: not counting that time",
+                     now - self._planned_at)
+        verdict = self._judge(now)
+        self._planned_at = verdict.look_again_at
+        return verdict
+
+    def _judge(self, now: float) -> Verdict:
+        try:
+            timeout = float(self._timeout_s())
+        except Exception:  # settings unreadable (closing): look again later
+            timeout = 0.0
+        if not timeout > 0 or not math.isfinite(timeout):
+            return Verdict(False, 0.0, 0.0, now + 1.0)  # off; the setting is read each time
+        period = sample_period(timeout)
+        rec = self._liveness.read()
+        if rec.activity is not Activity.TRAINING or rec.thread_id is None:
+            return Verdict(False, 0.0, timeout, now + period)
+        if rec.in_collective or self._waits_on_peers(rec.thread_id):
+            self._credit_at = now  # waiting on others is not this peer's hang
+            return Verdict(False, 0.0, timeout, now + period)
+        idle = now - max(rec.progress_at, self._credit_at)
+        if idle >= timeout:
+            return Verdict(True, idle, timeout, now)
+        return Verdict(False, idle, timeout, now + min(period, timeout - idle))
+
+    def report(self, verdict: Verdict) -> HangReport:
+        """Where the training thread is stuck, for the log and the event log."""
+        rec = self._liveness.read()
+        tid = rec.thread_id or 0
+        name = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+        frame = sys._current_frames().get(tid)
+        where: tuple[str, ...] = ()
+        if frame is not None:
+            stack = traceback.extract_stack(frame)[::-1][:4]
+            where = tuple(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+                          for f in stack)
+        return HangReport(verdict.idle_s, verdict.timeout_s, tid, name, where)
+
+
+class HangMonitor:
+    """The thread that polls a :class:`HangDetector` and acts once on a hang."""
+
+    def __init__(self, detector: HangDetector, on_hung: Callable[[HangReport], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._detector = detector
+        self._on_hung = on_hung
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired: HangReport | None = None
+
+    def start(self) -> HangMonitor:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hang-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                verdict = self._detector.poll()
+                if verdict.hung:
+                    self.fired = self._detector.report(verdict)
+                    self._on_hung(self.fired)
+                    return
+            except Exception:  # a bug here must not kill training; keep watching
+                log.exception("hang monitor failed; retrying")
+                verdict = Verdict(False, 0.0, 0.0, self._clock() + 1.0)
+            self._stop.wait(max(0.0, verdict.look_again_at - self._clock()))
+
+
+def respond_to_hang(
+    report: HangReport,
+    fence: Callable[[HangReport], object],
+    *,
+    stream: IO[str] | None = None,
+    exit: Callable[[int], Any] = os._exit,
+    budget_s: float | None = RESPONSE_BUDGET_S,
+) -> None:
+    """What a hung peer does: stacks to ``stream`` (stderr), ``fence``, then ``exit``.
+
+    ``os._exit``: the training thread cannot be unwound, and nothing of this process may
+    run on (no ``finally`` that trains or leaves gracefully, no atexit that waits on it).
+    """
+    stream = stream if stream is not None else sys.stderr
+    if budget_s is not None:
+        # Should anything below block for good (etcd gone past its retry budget, a stderr
+        # nobody reads), faulthandler's own C thread dumps the stacks and exits anyway.
+        faulthandler.dump_traceback_later(budget_s, exit=True)
+    summary = report.summary()
+    log.error("hung: %s; dumping stacks, leaving the job and exiting %d", summary, EXIT_HUNG)
+    try:
+        print(f"peer-elastic: hung: {summary}. Stacks of all threads:", file=stream, flush=True)
+        faulthandler.dump_traceback(file=stream, all_threads=True)
+        stream.flush()
+    except Exception as exc:  # no usable stream: the event log still gets the summary
+        log.error("could not dump the stacks: %s", exc)
+    try:
+        fence(report)
+    except Exception:
+        log.exception("fencing this hung peer failed; exiting anyway")
+    for s in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            s.flush()
+    for h in logging.getLogger("peer_elastic").handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
+    if budget_s is not None:
+        faulthandler.cancel_dump_traceback_later()
+    print(f"peer-elastic: exiting {EXIT_HUNG} (hung training thread); restart to rejoin as "
+          "a new member", file=stream, flush=True)
+    exit(EXIT_HUNG)
+
+
+class TrainingWatch:
+    """Training-thread liveness for one :class:`~peer_elastic.elastic.Peer`: the hooks its
+    training thread calls, and the monitor that fences the peer if the thread hangs."""
+
+    def __init__(self, coordinator: Any, generation: Callable[[], int], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 exit: Callable[[int], Any] = os._exit) -> None:
+        self.liveness = TrainingLiveness(clock)
+        self._coordinator = coordinator
+        self._generation = generation
+        self._exit = exit
+        self.detector = HangDetector(
+            self.liveness, lambda: float(coordinator.config.hang_timeout_s), clock=clock)
+        self.monitor = HangMonitor(self.detector, self._respond, clock)
+
+    def training(self) -> contextlib.AbstractContextManager[None]:
+        return self.liveness.training()
+
+    def stepped(self) -> None:
+        self.liveness.stepped()
+
+    def collective(self) -> contextlib.AbstractContextManager[None]:
+        return self.liveness.collective()
+
+    def start(self) -> None:
+        self.monitor.start()
+
+    def stop(self) -> None:
+        self.monitor.stop()
+
+    def _respond(self, report: HangReport) -> None:
+        from peer_elastic.etcd.fence import fence_member
+        from peer_elastic.records import FenceCause
+
+        generation = self._generation()
+        respond_to_hang(report, lambda r: fence_member(
+            self._coordinator, FenceCause.FENCE_CAUSE_HUNG, r.summary(), generation),
+            exit=self._exit)
