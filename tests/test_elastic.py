@@ -64,16 +64,20 @@ def wait_steps(p: PeerProc, n: int, timeout: float = 90) -> None:
     raise AssertionError(f"{p.name} made no progress:\n{p.output()}")
 
 
-def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Cluster) -> None:
-    # 480 samples x 2 epochs; the schedule: join, graceful leave, crash of a non-leader,
-    # crash of the leader; the job must finish with an exact count on every survivor.
-    a, b = cluster.start(2, PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=3)
+def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Cluster,
+                                                                   tmp_path) -> None:
+    # 960 samples an epoch; the schedule: join, graceful leave, crash of a non-leader, crash
+    # of the leader; the job must finish with an exact count on every survivor. The job runs
+    # until the schedule is done (WORKER_END_FILE), however slowly a loaded machine steps.
+    end = tmp_path / "end"
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=40, WORKER_END_FILE=end)
+    a, b = cluster.start(2, **env)
     a.wait_line("GEN")
     wait_steps(a, 3)
-    (c,) = cluster.start(1, PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=3)  # join mid-epoch
+    (c,) = cluster.start(1, **env)  # join mid-epoch
     c.wait_line("GEN", timeout=90)
     wait_steps(c, 3)
-    (d,) = cluster.start(1, PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=3)
+    (d,) = cluster.start(1, **env)
     d.wait_line("GEN", timeout=90)
     wait_steps(d, 2)
     b.signal(signal.SIGTERM)  # graceful leave
@@ -82,6 +86,8 @@ def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Clust
     c.signal(signal.SIGKILL)  # crash of a non-leader
     wait_steps(a, 3)
     a.signal(signal.SIGKILL)  # crash of the leader (the oldest member, rank 0)
+    wait_steps(d, 3)
+    end.touch()
     assert d.wait(180) == 0, d.output()
     r = result_of(d)
     assert r["exact"], r
