@@ -331,13 +331,13 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
 
 def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from peer_elastic.etcd.client import client_from_env
-    from peer_elastic.etcd.keys import RunKeys
+    from peer_elastic.etcd.keys import JobKeys, RunKeys
     from peer_elastic.etcd.watch import PrefixWatch
     from peer_elastic.records import RunRecord, decode
 
     _need(args, parser, "etcd", "job")
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
-        run_kv = client.get(RunKeys(args.job, "x").run_key)
+        run_kv = client.get(JobKeys(args.job).run_key)
         if run_kv is None:
             raise ConfigError(f"job {args.job!r} has no running run")
         run = decode(RunRecord, run_kv.value, run_kv.key)

@@ -26,7 +26,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator, drain, update_config
-from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.roster import Wait, plan_next_generation
 from peer_elastic.etcd.view import JobView
 from peer_elastic.records import GenerationRecord, JobConfig, MemberRecord, decode, encode
@@ -327,7 +327,7 @@ def test_abandoned_run_does_not_trap_the_next(peers: Peers) -> None:
     read_line(proc, "GEN")
     client = EtcdClient(peers.endpoint)
     peers.clients.append(client)
-    run_key = RunKeys(peers.job, "x").run_key
+    run_key = JobKeys(peers.job).run_key
     old_run = client.get(run_key)
     assert old_run is not None
     os.kill(proc.pid, signal.SIGKILL)  # its only peer dies without cleaning up

@@ -47,7 +47,7 @@ from peer_elastic.errors import (
     ResetLimitExceeded,
 )
 from peer_elastic.etcd.client import EtcdClient, Txn
-from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.lease import LeaseKeeper, Session
 from peer_elastic.etcd.roster import (
     ROSTER_BUDGET_BYTES,
@@ -203,7 +203,7 @@ class Coordinator:
         member_id = self._new_member_id()
         try:
             for _attempt in range(20):
-                run_kv = self.client.get(RunKeys(self.job, "x").run_key)
+                run_kv = self.client.get(JobKeys(self.job).run_key)
                 self._check_not_closed()  # close() during a rejoin: register nothing
                 if run_kv is None:
                     if self._create_run(session, member_id):
@@ -292,7 +292,7 @@ class Coordinator:
         except RecordError as exc:
             raise ConfigError(
                 f"job {self.job!r} has an unreadable run record ({exc}). If no peer of it is "
-                f"running, delete it: etcdctl del --prefix {RunKeys(self.job, 'x').job_prefix}"
+                f"running, delete it: etcdctl del --prefix {JobKeys(self.job).prefix}"
             ) from None
         self.settings.check_against(run.config, self.job, adopt=set(run.overridden))
         return run
@@ -534,7 +534,7 @@ class Coordinator:
         try:
             self.client.txn([], [
                 Txn.put(self.keys.drain(self.member_id), encode(rec), self.run.lease_id),
-                Txn.put(self.keys.event(f"{time.time_ns():020d}-{self.member_id}"),
+                Txn.put(self.keys.event(self.member_id),
                         encode(event), self.run.lease_id),
             ])
         except EtcdError as exc:
@@ -742,7 +742,7 @@ class Coordinator:
         guards = [Txn.version(keys.alive(n, m) if (silent or {}).get(m) == "alive"
                               else keys.ready(n, m)) == 0 for m in plan.dropped]
         ops = [
-            Txn.put(keys.event(f"{time.time_ns():020d}-{self.member_id}"), encode(EventRecord(
+            Txn.put(keys.event(self.member_id), encode(EventRecord(
                 kind="generation", member_id=self.member_id, generation=plan.number,
                 detail=plan.reason, unix=time.time())), run_lease),
         ]
@@ -853,7 +853,7 @@ class Coordinator:
                           generation=generation or self.snapshot().generation_number)
         rec.timings_s.update(timings or {})
         try:
-            self.client.put(self.keys.event(f"{time.time_ns():020d}-{self.member_id}"),
+            self.client.put(self.keys.event(self.member_id),
                             encode(rec), self.run.lease_id)
         except EtcdError as exc:
             log.debug("event not recorded: %s", exc)
@@ -870,7 +870,7 @@ def _holds(resp: list, data: bytes) -> bool:
 
 def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "operator") -> None:
     """Ask ``member_id`` to leave gracefully (what ``peer-elastic drain`` does)."""
-    run_kv = client.get(RunKeys(job, "x").run_key)
+    run_kv = client.get(JobKeys(job).run_key)
     if run_kv is None:
         raise ConfigError(f"job {job!r} has no running run")
     run = decode(RunRecord, run_kv.value, run_kv.key)
@@ -882,7 +882,7 @@ def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "ope
                         detail=f"by {requested_by}")
     client.txn([], [
         Txn.put(keys.drain(member_id), encode(rec), run.lease_id),
-        Txn.put(keys.event(f"{time.time_ns():020d}-{member_id}"), encode(event), run.lease_id),
+        Txn.put(keys.event(member_id), encode(event), run.lease_id),
     ])
 
 
@@ -910,7 +910,7 @@ def update_config(client: EtcdClient, job: str, changes: Mapping[str, object],
             raise ConfigError(f"unknown setting {name!r}; settable: {sorted(RUNTIME_SETTINGS)}")
         if name not in RUNTIME_SETTINGS:
             raise ConfigError(f"{name} cannot change while the job runs (leases already hold it)")
-    run_key = RunKeys(job, "x").run_key
+    run_key = JobKeys(job).run_key
     for _attempt in range(10):
         kv = client.get(run_key)
         if kv is None:
@@ -935,7 +935,7 @@ def update_config(client: EtcdClient, job: str, changes: Mapping[str, object],
                             detail=f"{detail} (by {requested_by})")
         ok, _ = client.txn([Txn.mod(run_key) == kv.mod_revision], [
             Txn.put(run_key, encode(run), run.lease_id),
-            Txn.put(keys.event(f"{time.time_ns():020d}-operator"), encode(event), run.lease_id),
+            Txn.put(keys.event("operator"), encode(event), run.lease_id),
         ])
         if ok:
             return run.config
