@@ -34,7 +34,7 @@ from peer_elastic.liveness import (
     sample_period,
     thread_waits_on_peers,
 )
-from peer_elastic.records import FenceCause, FenceRecord, decode, encode
+from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
 from tests.helpers.procs import Cluster, PeerProc, results
 
 
@@ -280,6 +280,7 @@ def test_the_next_generation_names_a_fenced_member_hung_and_never_readmits_it() 
     assert isinstance(plan, GenerationPlan)
     assert plan.roster == ("m1", "m3") and plan.removed == ("m2",)
     assert "hung" in plan.reason and "m2" in plan.reason and "left" not in plan.reason
+    assert plan.causes == (GenerationCause.GENERATION_CAUSE_HUNG,)
     # A fenced member whose key survived (etcd trouble during the fence) is never eligible.
     with_key = dict(live, m2=member(2))
     snap2 = dataclasses.replace(snap, members=with_key, by_age=tuple(

@@ -63,6 +63,7 @@ from peer_elastic.records import (
     DoneRecord,
     DrainRecord,
     EventRecord,
+    GenerationCause,
     GenerationRecord,
     HostRecord,
     JobConfig,
@@ -96,7 +97,8 @@ class Assignment:
     size: int
     roster: tuple[str, ...]
     joined: bool  # admitted in this generation (a newcomer or a returning member)
-    reason: str
+    reason: str  # for humans
+    causes: tuple[GenerationCause, ...] = ()  # why the generation formed, typed
 
 
 def default_host() -> str:
@@ -375,7 +377,8 @@ class Coordinator:
         if gen is None or self.member_id not in gen.roster:
             return None
         return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
-                          tuple(gen.roster), self.member_id in gen.joined, gen.reason)
+                          tuple(gen.roster), self.member_id in gen.joined, gen.reason,
+                          tuple(gen.causes))
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
         """Raise whatever ends this peer's participation: done, fatal error."""
@@ -735,6 +738,7 @@ class Coordinator:
             number=plan.number, roster=list(plan.roster), reason=plan.reason,
             needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=now_unix,
             joined=list(plan.joined), removed=list(plan.removed), detected_unix=detected,
+            causes=list(plan.causes),
         )
         # The ack each dropped member failed to give must still be absent: if it arrives
         # first, the drop is wrong and the write fails.
