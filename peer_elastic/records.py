@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from peer_elastic.errors import RecordError
 from peer_elastic.proto.records_pb2 import (
     AckRecord,
+    DoneCause,
     DoneRecord,
     DrainRecord,
     EventRecord,
@@ -32,7 +33,7 @@ from peer_elastic.proto.records_pb2 import (
 )
 
 __all__ = [
-    "SCHEMA", "AckRecord", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
+    "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
     "FenceRecord", "GenerationCause", "GenerationRecord",
     "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord",
     "encode", "decode", "valid_name",

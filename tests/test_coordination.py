@@ -24,8 +24,9 @@ from peer_elastic.errors import (
     JobFinished,
     ResetLimitExceeded,
 )
+from peer_elastic.etcd.admin import drain, update_config
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.etcd.coordinator import Coordinator, drain, update_config
+from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.roster import Wait, plan_next_generation
 from peer_elastic.etcd.view import JobView
@@ -221,7 +222,7 @@ def test_racing_writers_exactly_one_generation_wins(peers: Peers) -> None:
 
     def write(c: Coordinator) -> None:
         barrier.wait()
-        c._write_generation(snap, plan)
+        c.leader.write_generation(snap, plan, time.monotonic())
 
     threads = [threading.Thread(target=write, args=(c,)) for c in (a, b)]
     for t in threads:

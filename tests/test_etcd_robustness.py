@@ -18,8 +18,9 @@ import pytest
 
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ConfigError, RecordError
+from peer_elastic.etcd.admin import update_config
 from peer_elastic.etcd.client import EtcdClient, FaultInjection, Txn
-from peer_elastic.etcd.coordinator import Coordinator, update_config
+from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.lease import LeaseKeeper
 from peer_elastic.etcd_server import EtcdServer

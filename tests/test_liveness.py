@@ -426,8 +426,9 @@ def test_peers_blocked_in_a_collective_on_a_frozen_peer_are_not_hung(cluster: Cl
 
 def test_fence_takes_the_member_out_at_once_for_good_and_says_why(
         etcd: str, unique_job: str) -> None:
+    from peer_elastic.etcd.admin import update_config
     from peer_elastic.etcd.client import EtcdClient
-    from peer_elastic.etcd.coordinator import Coordinator, update_config
+    from peer_elastic.etcd.coordinator import Coordinator
     from peer_elastic.etcd.fence import fence_member
 
     settings = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3,

@@ -425,7 +425,7 @@ WORKER = textwrap.dedent("""
             out["port"] = peer.metrics.port
             members = peer.coordinator.snapshot().by_age
             out["published"] = [m.record.address for m in members if m.id == peer.member_id]
-            from peer_elastic.cli import job_status
+            from peer_elastic.etcd.admin import job_status
 
             doc = job_status(peer.coordinator.client, sys.argv[1])
             out["status"] = [m.get("address") for m in doc["members"]]

@@ -25,6 +25,13 @@ class FenceCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FENCE_CAUSE_UNSPECIFIED: _ClassVar[FenceCause]
     FENCE_CAUSE_HUNG: _ClassVar[FenceCause]
+
+class DoneCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DONE_CAUSE_UNSPECIFIED: _ClassVar[DoneCause]
+    DONE_CAUSE_RETURNED: _ClassVar[DoneCause]
+    DONE_CAUSE_RESET_LIMIT: _ClassVar[DoneCause]
+    DONE_CAUSE_ELASTIC_TIMEOUT: _ClassVar[DoneCause]
 GENERATION_CAUSE_UNSPECIFIED: GenerationCause
 GENERATION_CAUSE_FIRST: GenerationCause
 GENERATION_CAUSE_BROKEN: GenerationCause
@@ -38,6 +45,10 @@ GENERATION_CAUSE_CAPPED: GenerationCause
 GENERATION_CAUSE_BELOW_MIN_NP: GenerationCause
 FENCE_CAUSE_UNSPECIFIED: FenceCause
 FENCE_CAUSE_HUNG: FenceCause
+DONE_CAUSE_UNSPECIFIED: DoneCause
+DONE_CAUSE_RETURNED: DoneCause
+DONE_CAUSE_RESET_LIMIT: DoneCause
+DONE_CAUSE_ELASTIC_TIMEOUT: DoneCause
 
 class JobConfig(_message.Message):
     __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s")
@@ -221,20 +232,22 @@ class ProgressRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., batch: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unix: _Optional[float] = ..., commits: _Optional[int] = ...) -> None: ...
 
 class DoneRecord(_message.Message):
-    __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation")
+    __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation", "cause")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
     UNIX_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     schema: int
     success: bool
     reason: str
     written_by: str
     unix: float
     generation: int
-    def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+    cause: DoneCause
+    def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ..., cause: _Optional[_Union[DoneCause, str]] = ...) -> None: ...
 
 class EventRecord(_message.Message):
     __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s")
