@@ -1,4 +1,4 @@
-"""Leader decisions with a fake writer and a fake clock (no etcd)."""
+"""Leader decisions with a fake writer and a fake clock, and what a done record means (no etcd)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,25 @@ from types import MappingProxyType
 import pytest
 
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
+from peer_elastic.errors import (
+    ElasticTimeout,
+    EtcdRequestTooLarge,
+    JobFinished,
+    PeerElasticError,
+    ResetLimitExceeded,
+)
+from peer_elastic.etcd.done import done_error
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.view import Departure, Member, ViewSnapshot
 from peer_elastic.etcd.writer import Written
-from peer_elastic.records import DoneCause, GenerationRecord, HostRecord, MemberRecord, RunRecord
+from peer_elastic.records import (
+    DoneCause,
+    DoneRecord,
+    GenerationRecord,
+    HostRecord,
+    MemberRecord,
+    RunRecord,
+)
 
 
 class FakeWrites:
@@ -163,3 +177,17 @@ def test_event_log_is_pruned_once_ten_percent_over_the_cap() -> None:
     la.step(s, 5.0)
     la.step(dataclasses.replace(s, version=2), 6.0)  # not again before the view saw it
     assert wa.calls == [("prune", 11)]
+
+
+@pytest.mark.parametrize(("cause", "reason", "error"), [
+    (DoneCause.DONE_CAUSE_RESET_LIMIT, "x", ResetLimitExceeded),
+    (DoneCause.DONE_CAUSE_ELASTIC_TIMEOUT, "x", ElasticTimeout),
+    (DoneCause.DONE_CAUSE_RETURNED, "reset limit in the text decides nothing", JobFinished),
+    # Records from writers before DoneRecord.cause: their reasons began with these words.
+    (DoneCause.DONE_CAUSE_UNSPECIFIED, "reset limit exceeded: 3 resets", ResetLimitExceeded),
+    (DoneCause.DONE_CAUSE_UNSPECIFIED, "elastic timeout: fewer than 2", ElasticTimeout),
+])
+def test_a_done_records_cause_picks_the_error(cause: int, reason: str, error: type) -> None:
+    err = done_error("job", DoneRecord(success=False, reason=reason, cause=cause))
+    assert type(err) is error
+    assert type(done_error("job", DoneRecord(success=True, cause=cause))) is JobFinished
