@@ -218,57 +218,8 @@ def _need(args: argparse.Namespace, parser: argparse.ArgumentParser, *names: str
             parser.error(f"{args.command}: --{name} is required (or set PEER_ELASTIC_{name.upper()})")
 
 
-def job_status(client: Any, job: str) -> dict[str, Any]:
-    """The ``status --json`` document (a stable schema; see the README)."""
-    from peer_elastic.etcd.keys import RunKeys
-    from peer_elastic.etcd.view import JobView
-
-    view = JobView(client, job).start()
-    try:
-        snap = view.snapshot()
-    finally:
-        view.stop()
-    if snap.run is None:
-        raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
-    gen = snap.generation
-    roster = list(gen.roster) if gen else []
-    eligible = snap.eligible()
-    now = time.time()
-    members = []
-    for m in snap.by_age:
-        members.append({
-            "id": m.id,
-            "host": m.host,
-            "address": m.record.address,  # where to scrape its metrics ("" when off)
-            "rank": roster.index(m.id) if m.id in roster else None,
-            "standby": m.id not in roster,
-            "pid": m.record.pid,
-            "age_s": round(now - m.record.started_unix, 1),
-            "draining": m.id in snap.drains,
-        })
-    p = snap.progress
-    return {
-        "job": job,
-        "run_id": snap.run.run_id,
-        "generation": gen.number if gen else 0,
-        "world_size": len(roster),
-        "leader": eligible[0].id if eligible else None,
-        "reason": gen.reason if gen else "",
-        "resets": max(0, (gen.number if gen else 0) - 1),
-        "members": members,
-        "progress": None if p is None else {
-            "epoch": p.epoch, "batch": p.batch, "step": p.step, "generation": p.generation,
-            "world_size": p.world_size, "age_s": round(now - p.unix, 1),
-        },
-        "done": None if snap.done is None else {
-            "success": snap.done.success, "reason": snap.done.reason,
-        },
-        "config": {f.name: getattr(snap.run.config, f.name) for f in JOB_FIELDS},
-        "keys_prefix": RunKeys(job, snap.run.run_id).prefix,
-    }
-
-
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.admin import job_status
     from peer_elastic.etcd.client import client_from_env
 
     _need(args, parser, "etcd", "job")
@@ -297,8 +248,8 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.admin import drain
     from peer_elastic.etcd.client import client_from_env
-    from peer_elastic.etcd.coordinator import drain
 
     _need(args, parser, "etcd", "job")
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
@@ -330,17 +281,14 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
 
 
 def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.admin import current_run
     from peer_elastic.etcd.client import client_from_env
     from peer_elastic.etcd.keys import RunKeys
     from peer_elastic.etcd.watch import PrefixWatch
-    from peer_elastic.records import RunRecord, decode
 
     _need(args, parser, "etcd", "job")
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
-        run_kv = client.get(RunKeys(args.job, "x").run_key)
-        if run_kv is None:
-            raise ConfigError(f"job {args.job!r} has no running run")
-        run = decode(RunRecord, run_kv.value, run_kv.key)
+        run, _ = current_run(client, args.job)
         prefix = RunKeys(args.job, run.run_id).events_prefix
 
         def show(kvs: list[Any]) -> None:
@@ -364,8 +312,8 @@ def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def cmd_set(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.admin import update_config
     from peer_elastic.etcd.client import client_from_env
-    from peer_elastic.etcd.coordinator import update_config
 
     _need(args, parser, "etcd", "job")
     if args.command == "set":

@@ -284,7 +284,7 @@ class Peer:
         self.reset_log.append({"generation": a.generation, "rank": a.rank, "size": a.size,
                                "seconds": took, "reason": a.reason})
         if self.metrics is not None and not first:
-            self.metrics.record_reset(a.reason, took, crashed=restored,
+            self.metrics.record_reset(a.causes, took, crashed=restored,
                                       lease_lost=self._incarnation != incarnation)
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
 

@@ -39,10 +39,11 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
+from peer_elastic.records import GenerationCause
 
 log = logging.getLogger(__name__)
 
@@ -98,26 +99,32 @@ def prometheus_available() -> bool:
     return True
 
 
-def classify_reason(reason: str, *, crashed: bool = False, lease_lost: bool = False) -> str:
+def classify_reason(causes: Collection[int], *, crashed: bool = False,
+                    lease_lost: bool = False) -> str:
     """Map a reset onto one of :data:`REASONS`.
 
-    ``reason`` is the generation's reason as the leader wrote it (``"broken by m1; left:
-    m2; joined: m3"``, see :mod:`peer_elastic.etcd.roster`); ``crashed`` says this peer
+    ``causes`` are the generation's :class:`~peer_elastic.records.GenerationCause` values as
+    the leader wrote them (see :mod:`peer_elastic.etcd.roster`); ``crashed`` says this peer
     came through the failed-collective path (it restored its last commit), ``lease_lost``
     that it lost its lease and re-registered. When several causes apply, the most severe
     wins: lease_lost, crash (a broken generation or a member dropped for not acknowledging),
-    left, joined; anything else is ``other``.
+    left (a member left, expired or no longer fits), joined; anything else is ``other``.
     """
     if lease_lost:
         return "lease_lost"
-    text = reason or ""
-    if crashed or "broken by" in text or "dropped" in text:
+    found = set(causes)
+    if crashed or found & _CRASH_CAUSES:
         return "crash"
-    if "left:" in text:
+    if found & _LEFT_CAUSES:
         return "left"
-    if "joined:" in text:
+    if GenerationCause.GENERATION_CAUSE_JOINED in found:
         return "joined"
     return "other"
+
+
+_CRASH_CAUSES = {GenerationCause.GENERATION_CAUSE_BROKEN, GenerationCause.GENERATION_CAUSE_DROPPED}
+_LEFT_CAUSES = {GenerationCause.GENERATION_CAUSE_LEFT, GenerationCause.GENERATION_CAUSE_EXPIRED,
+                GenerationCause.GENERATION_CAUSE_RESIZED}
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -219,9 +226,9 @@ class NoopMetrics:
     def bind(self, peer: Any) -> None:
         pass
 
-    def record_reset(self, reason: str, seconds: float, *, crashed: bool = False,
+    def record_reset(self, causes: Collection[int], seconds: float, *, crashed: bool = False,
                      lease_lost: bool = False) -> str:
-        return classify_reason(reason, crashed=crashed, lease_lost=lease_lost)
+        return classify_reason(causes, crashed=crashed, lease_lost=lease_lost)
 
     def observe_commit(self, seconds: float) -> None:
         pass
@@ -387,10 +394,10 @@ class PeerMetrics:
                 self._stats = _CoordinatorStats(coord)
                 self.registry.register(self._stats)
 
-    def record_reset(self, reason: str, seconds: float, *, crashed: bool = False,
+    def record_reset(self, causes: Collection[int], seconds: float, *, crashed: bool = False,
                      lease_lost: bool = False) -> str:
         """Count one reset (not the first group) under its classified reason; returns it."""
-        label = classify_reason(reason, crashed=crashed, lease_lost=lease_lost)
+        label = classify_reason(causes, crashed=crashed, lease_lost=lease_lost)
         self.resets.labels(reason=label).inc()
         self.last_recovery.set(seconds)
         return label

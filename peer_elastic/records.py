@@ -17,11 +17,13 @@ from google.protobuf.message import DecodeError, Message
 from peer_elastic.errors import RecordError
 from peer_elastic.proto.records_pb2 import (
     AckRecord,
+    DoneCause,
     DoneRecord,
     DrainRecord,
     EventRecord,
     FenceCause,
     FenceRecord,
+    GenerationCause,
     GenerationRecord,
     HostRecord,
     JobConfig,
@@ -31,8 +33,8 @@ from peer_elastic.proto.records_pb2 import (
 )
 
 __all__ = [
-    "SCHEMA", "AckRecord", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
-    "FenceRecord", "GenerationRecord",
+    "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
+    "FenceRecord", "GenerationCause", "GenerationRecord",
     "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord",
     "encode", "decode", "valid_name",
 ]
@@ -105,6 +107,11 @@ def _validate(record: Message, key: str) -> None:
             raise bad("duplicate member in roster")
         if not all(valid_name(m) for m in record.roster):
             raise bad("malformed member id in roster")
+        # A cause this peer does not know is a newer writer's: kept, and read as "other".
+        if GenerationCause.GENERATION_CAUSE_UNSPECIFIED in record.causes:
+            raise bad("unspecified generation cause")
+        if len(set(record.causes)) != len(record.causes):
+            raise bad("duplicate generation cause")
     elif isinstance(record, RunRecord):
         if not valid_name(record.run_id):
             raise bad(f"run id {record.run_id!r}")

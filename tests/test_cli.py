@@ -12,8 +12,9 @@ import pytest
 
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ConfigError
+from peer_elastic.etcd.admin import update_config
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.etcd.coordinator import Coordinator, update_config
+from peer_elastic.etcd.coordinator import Coordinator
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0)

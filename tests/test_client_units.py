@@ -7,7 +7,7 @@ import pytest
 from peer_elastic.config import JobSettings, validate
 from peer_elastic.errors import ConfigError, EtcdError
 from peer_elastic.etcd.client import EndpointSpec, parse_endpoints
-from peer_elastic.etcd.keys import RunKeys, job_prefix
+from peer_elastic.etcd.keys import JobKeys, KeyKind, ParsedKey, RunKeys, job_prefix, parse
 
 
 def test_parse_endpoints_forms() -> None:
@@ -50,3 +50,31 @@ def test_job_names_are_validated() -> None:
     with pytest.raises(ConfigError, match="invalid job name"):
         job_prefix("../other-job")
     assert RunKeys("j", "r1").member("m") == "/peer-elastic/j/r1/members/m"
+
+
+def test_parse_is_the_inverse_of_the_builders() -> None:
+    k = RunKeys("j", "r1")
+    cases = {
+        JobKeys("j").run_key: ParsedKey(KeyKind.RUN, "j"),
+        k.member("m-1"): ParsedKey(KeyKind.MEMBER, "j", "r1", "m-1"),
+        k.generation: ParsedKey(KeyKind.GENERATION, "j", "r1"),
+        k.ready(3, "m"): ParsedKey(KeyKind.READY, "j", "r1", "m", 3),
+        k.broken(3, "m"): ParsedKey(KeyKind.BROKEN, "j", "r1", "m", 3),
+        k.alive(3, "m"): ParsedKey(KeyKind.ALIVE, "j", "r1", "m", 3),
+        k.store_prefix(4) + "a/b": ParsedKey(KeyKind.STORE, "j", "r1", "a/b", 4),
+        k.drain("m"): ParsedKey(KeyKind.DRAIN, "j", "r1", "m"),
+        k.fenced("m"): ParsedKey(KeyKind.FENCED, "j", "r1", "m"),
+        k.failures("h"): ParsedKey(KeyKind.FAILURES, "j", "r1", "h"),
+        k.blacklist("h"): ParsedKey(KeyKind.BLACKLIST, "j", "r1", "h"),
+        k.progress: ParsedKey(KeyKind.PROGRESS, "j", "r1"),
+        k.done: ParsedKey(KeyKind.DONE, "j", "r1"),
+        k.event("m", 42): ParsedKey(KeyKind.EVENT, "j", "r1", f"{42:020d}-m"),
+    }
+    for key, want in cases.items():
+        assert parse(key) == want, key
+    assert k.event("w") <= k.event("w")  # event keys sort by time
+    for junk in ["/elsewhere/j/run", "/peer-elastic/j/", "/peer-elastic/j/r1/members",
+                 "/peer-elastic/j/r1/members/a/b", "/peer-elastic/j/r1/gen/x/ready/m",
+                 "/peer-elastic/j/r1/gen/1/other/m", "/peer-elastic/j/r1/nope",
+                 "/peer-elastic/../run"]:
+        assert parse(junk) is None, junk

@@ -24,12 +24,20 @@ from peer_elastic.errors import (
     JobFinished,
     ResetLimitExceeded,
 )
+from peer_elastic.etcd.admin import drain, update_config
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.etcd.coordinator import Coordinator, drain, update_config
-from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.roster import Wait, plan_next_generation
 from peer_elastic.etcd.view import JobView
-from peer_elastic.records import GenerationRecord, JobConfig, MemberRecord, decode, encode
+from peer_elastic.records import (
+    GenerationCause,
+    GenerationRecord,
+    JobConfig,
+    MemberRecord,
+    decode,
+    encode,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0)
@@ -166,6 +174,7 @@ def test_silent_member_is_dropped_after_join_timeout_before_its_ttl(peers: Peers
     gen2, _ = wait_gen([a], lambda g: victim not in g.roster, timeout=10)
     took = time.monotonic() - t0
     assert "dropped" in gen2.reason and took < 10  # far below the 30 s TTL
+    assert GenerationCause.GENERATION_CAUSE_DROPPED in gen2.causes
     # Its key went with the new generation (its lease is revoked too), long before the TTL...
     assert a.view.wait_for(lambda s: victim not in s.members, 10) is not None
     # ... and the leader does not re-admit it as a newcomer in the meantime.
@@ -213,7 +222,7 @@ def test_racing_writers_exactly_one_generation_wins(peers: Peers) -> None:
 
     def write(c: Coordinator) -> None:
         barrier.wait()
-        c._write_generation(snap, plan)
+        c.leader.write_generation(snap, plan, time.monotonic())
 
     threads = [threading.Thread(target=write, args=(c,)) for c in (a, b)]
     for t in threads:
@@ -327,7 +336,7 @@ def test_abandoned_run_does_not_trap_the_next(peers: Peers) -> None:
     read_line(proc, "GEN")
     client = EtcdClient(peers.endpoint)
     peers.clients.append(client)
-    run_key = RunKeys(peers.job, "x").run_key
+    run_key = JobKeys(peers.job).run_key
     old_run = client.get(run_key)
     assert old_run is not None
     os.kill(proc.pid, signal.SIGKILL)  # its only peer dies without cleaning up
@@ -347,6 +356,7 @@ def test_drain_removes_member_gracefully(peers: Peers) -> None:
     assert b.drain_requested.wait(10)
     gen2, _ = wait_gen([a, b], lambda g: b.member_id not in g.roster)
     assert "left" in gen2.reason and not gen2.needs_sync
+    assert list(gen2.causes) == [GenerationCause.GENERATION_CAUSE_LEFT]
     b.close()
     snap = a.view.wait_for(lambda s: b.member_id not in s.members, 10)
     assert snap.departures[-1].graceful

@@ -18,9 +18,10 @@ import pytest
 
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ConfigError, RecordError
+from peer_elastic.etcd.admin import update_config
 from peer_elastic.etcd.client import EtcdClient, FaultInjection, Txn
-from peer_elastic.etcd.coordinator import Coordinator, update_config
-from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.lease import LeaseKeeper
 from peer_elastic.etcd_server import EtcdServer
 from peer_elastic.records import (
@@ -132,7 +133,7 @@ def test_store_add_and_append_apply_once_when_the_answer_is_lost(clients, unique
 
 def test_the_run_a_peer_created_survives_a_lost_answer(clients, coords, unique_job) -> None:
     client, observer = clients(), clients()
-    run_key = RunKeys(unique_job, "x").run_key
+    run_key = JobKeys(unique_job).run_key
     created: list[str] = []
 
     def remember_run(_what: str) -> None:
@@ -269,7 +270,7 @@ def test_mark_broken_does_not_raise_when_etcd_is_down(fresh_etcd, unique_job) ->
 
 def _put_events(client: EtcdClient, keys: RunKeys, lease: int, n: int, detail: str,
                 start_ns: int) -> list[str]:
-    names = [keys.event(f"{start_ns + i:020d}-test") for i in range(n)]
+    names = [keys.event("test", start_ns + i) for i in range(n)]
     for i in range(0, n, 100):
         client.txn([], [Txn.put(k, encode(EventRecord(kind="test", detail=detail, unix=1.0)),
                                 lease) for k in names[i:i + 100]])
@@ -403,7 +404,7 @@ def test_close_during_a_rejoin_registers_no_ghost_member(clients, unique_job) ->
     a = Coordinator(client, unique_job, JobSettings(**FAST), keeper=keeper)
     a.start()
     old = a.member_id
-    run_key = RunKeys(unique_job, "x").run_key
+    run_key = JobKeys(unique_job).run_key
     blocked, closed = threading.Event(), threading.Event()
 
     def hold_rejoin(what: str) -> None:

@@ -34,7 +34,7 @@ from peer_elastic.liveness import (
     sample_period,
     thread_waits_on_peers,
 )
-from peer_elastic.records import FenceCause, FenceRecord, decode, encode
+from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
 from tests.helpers.procs import Cluster, PeerProc, results
 
 
@@ -280,6 +280,7 @@ def test_the_next_generation_names_a_fenced_member_hung_and_never_readmits_it() 
     assert isinstance(plan, GenerationPlan)
     assert plan.roster == ("m1", "m3") and plan.removed == ("m2",)
     assert "hung" in plan.reason and "m2" in plan.reason and "left" not in plan.reason
+    assert plan.causes == (GenerationCause.GENERATION_CAUSE_HUNG,)
     # A fenced member whose key survived (etcd trouble during the fence) is never eligible.
     with_key = dict(live, m2=member(2))
     snap2 = dataclasses.replace(snap, members=with_key, by_age=tuple(
@@ -425,8 +426,9 @@ def test_peers_blocked_in_a_collective_on_a_frozen_peer_are_not_hung(cluster: Cl
 
 def test_fence_takes_the_member_out_at_once_for_good_and_says_why(
         etcd: str, unique_job: str) -> None:
+    from peer_elastic.etcd.admin import update_config
     from peer_elastic.etcd.client import EtcdClient
-    from peer_elastic.etcd.coordinator import Coordinator, update_config
+    from peer_elastic.etcd.coordinator import Coordinator
     from peer_elastic.etcd.fence import fence_member
 
     settings = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3,

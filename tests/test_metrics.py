@@ -21,6 +21,7 @@ import pytest
 from peer_elastic import metrics as pm
 from peer_elastic.elastic import Peer
 from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
+from peer_elastic.records import GenerationCause
 from peer_elastic.state import ObjectState, TorchState
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,21 +67,30 @@ def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # -- reason classification (no prometheus_client needed) ------------------------------------------
 
 
-@pytest.mark.parametrize(("reason", "kw", "label"), [
-    ("first generation", {}, "other"),
-    ("", {}, "other"),
-    ("broken by host-1-abc", {}, "crash"),
-    ("dropped (no ack within join_timeout): host-1-abc", {}, "crash"),
-    ("left: host-2-def", {}, "left"),
-    ("joined: host-3-0123", {}, "joined"),
-    ("left: host-2-def; joined: host-3-0123", {}, "left"),
-    ("broken by a; dropped (no ack within join_timeout): a; left: b; joined: c", {}, "crash"),
-    ("joined: c", {"crashed": True}, "crash"),
-    ("left: b", {"lease_lost": True}, "lease_lost"),
-    ("broken by a", {"crashed": True, "lease_lost": True}, "lease_lost"),
+_C = GenerationCause
+
+
+@pytest.mark.parametrize(("causes", "kw", "label"), [
+    ([_C.GENERATION_CAUSE_FIRST], {}, "other"),
+    ([], {}, "other"),
+    ([_C.GENERATION_CAUSE_BROKEN], {}, "crash"),
+    ([_C.GENERATION_CAUSE_DROPPED], {}, "crash"),
+    ([_C.GENERATION_CAUSE_LEFT], {}, "left"),
+    ([_C.GENERATION_CAUSE_EXPIRED], {}, "left"),
+    ([_C.GENERATION_CAUSE_RESIZED], {}, "left"),
+    ([_C.GENERATION_CAUSE_JOINED], {}, "joined"),
+    ([_C.GENERATION_CAUSE_LEFT, _C.GENERATION_CAUSE_JOINED], {}, "left"),
+    ([_C.GENERATION_CAUSE_BROKEN, _C.GENERATION_CAUSE_DROPPED, _C.GENERATION_CAUSE_LEFT,
+      _C.GENERATION_CAUSE_JOINED], {}, "crash"),
+    ([_C.GENERATION_CAUSE_HUNG], {}, "other"),
+    ([_C.GENERATION_CAUSE_CAPPED], {}, "other"),
+    ([99], {}, "other"),  # a cause from a newer writer
+    ([_C.GENERATION_CAUSE_JOINED], {"crashed": True}, "crash"),
+    ([_C.GENERATION_CAUSE_LEFT], {"lease_lost": True}, "lease_lost"),
+    ([_C.GENERATION_CAUSE_BROKEN], {"crashed": True, "lease_lost": True}, "lease_lost"),
 ])
-def test_classify_reason(reason: str, kw: dict, label: str) -> None:
-    assert pm.classify_reason(reason, **kw) == label
+def test_classify_reason(causes: list[int], kw: dict, label: str) -> None:
+    assert pm.classify_reason(causes, **kw) == label
     assert label in pm.REASONS
 
 
@@ -101,7 +111,7 @@ def test_without_prometheus_client_everything_is_a_noop(monkeypatch: pytest.Monk
     assert m.address == "" and m.port is None and m.start_http_server() is None
     # Every hook is callable and harmless.
     m.bind(fake_peer())
-    assert m.record_reset("left: x", 1.0) == "left"
+    assert m.record_reset([_C.GENERATION_CAUSE_LEFT], 1.0) == "left"
     m.observe_commit(1.0), m.observe_check(1.0), m.observe_sync(1.0)
     state = ObjectState(epoch=0)
     calls = []
@@ -192,11 +202,11 @@ def test_resets_are_counted_by_a_bounded_reason() -> None:
     m = pm.PeerMetrics()
     for reason in pm.REASONS:  # every series exists at 0 before the first reset
         assert sample(m, "peer_elastic_resets_total", reason=reason) == 0
-    assert m.record_reset("left: host-9-aaaa", 0.25) == "left"
-    assert m.record_reset("joined: host-7-bbbb", 0.5) == "joined"
-    assert m.record_reset("joined: host-8-cccc", 0.125, crashed=True) == "crash"
-    assert m.record_reset("joined: host-1-dddd", 2.0, lease_lost=True) == "lease_lost"
-    assert m.record_reset("something new", 0.75) == "other"
+    assert m.record_reset([_C.GENERATION_CAUSE_LEFT], 0.25) == "left"
+    assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 0.5) == "joined"
+    assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 0.125, crashed=True) == "crash"
+    assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 2.0, lease_lost=True) == "lease_lost"
+    assert m.record_reset([], 0.75) == "other"
     for reason in pm.REASONS:
         assert sample(m, "peer_elastic_resets_total", reason=reason) == 1
     assert sample(m, "peer_elastic_last_recovery_seconds") == 0.75
@@ -228,7 +238,7 @@ def test_each_peer_has_its_own_registry() -> None:
     from prometheus_client import REGISTRY
 
     a, b = pm.PeerMetrics(), pm.PeerMetrics()  # would raise "Duplicated timeseries" if shared
-    a.record_reset("left: x", 1.0)
+    a.record_reset([_C.GENERATION_CAUSE_LEFT], 1.0)
     assert sample(a, "peer_elastic_resets_total", reason="left") == 1
     assert sample(b, "peer_elastic_resets_total", reason="left") == 0
     assert REGISTRY.get_sample_value("peer_elastic_resets_total", {"reason": "left"}) is None
@@ -301,7 +311,7 @@ def test_instrument_leaves_a_state_without_instance_attributes_untimed() -> None
 def test_http_endpoint_on_an_ephemeral_port() -> None:
     m = pm.PeerMetrics()
     m.bind(fake_peer(generation=5, size=3, rank=2, is_leader=True))
-    m.record_reset("dropped (no ack within join_timeout): h-1", 1.25)
+    m.record_reset([_C.GENERATION_CAUSE_DROPPED], 1.25)
     m.observe_commit(0.001)
     try:
         port = m.start_http_server(0, "127.0.0.1")
@@ -415,7 +425,7 @@ WORKER = textwrap.dedent("""
             out["port"] = peer.metrics.port
             members = peer.coordinator.snapshot().by_age
             out["published"] = [m.record.address for m in members if m.id == peer.member_id]
-            from peer_elastic.cli import job_status
+            from peer_elastic.etcd.admin import job_status
 
             doc = job_status(peer.coordinator.client, sys.argv[1])
             out["status"] = [m.get("address") for m in doc["members"]]

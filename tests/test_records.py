@@ -66,6 +66,14 @@ def test_generation_validation() -> None:
         decode(GenerationRecord, encode(GenerationRecord(number=2, roster=["a", "a"])))
     with pytest.raises(RecordError, match="number 0"):
         decode(GenerationRecord, encode(GenerationRecord(number=0, roster=["a"])))
+    with pytest.raises(RecordError, match="unspecified generation cause"):
+        decode(GenerationRecord, encode(GenerationRecord(number=2, causes=[0])))
+    with pytest.raises(RecordError, match="duplicate generation cause"):
+        decode(GenerationRecord, encode(GenerationRecord(number=2, causes=[1, 1])))
+    # Older writers set no causes; a newer writer's cause is kept (and read as "other").
+    assert list(decode(GenerationRecord, encode(GenerationRecord(number=2))).causes) == []
+    assert list(decode(GenerationRecord, encode(GenerationRecord(number=2, causes=[8, 99])))
+                .causes) == [8, 99]
 
 
 def test_oversized_record_is_refused_before_it_reaches_etcd() -> None:

@@ -7,7 +7,15 @@ from types import MappingProxyType
 from peer_elastic.config import JobSettings
 from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.records import GenerationRecord, HostRecord, MemberRecord, RunRecord
+from peer_elastic.records import (
+    GenerationCause,
+    GenerationRecord,
+    HostRecord,
+    MemberRecord,
+    RunRecord,
+)
+
+C = GenerationCause
 
 
 def snap(members, gen=None, ready=(), broken=(), drains=(), blacklist=(), changed_at=0.0):
@@ -36,6 +44,7 @@ def test_first_generation_waits_for_stragglers_unless_full() -> None:
     assert isinstance(plan_next_generation(s, cfg(min_np=2), set(), 10.5), Wait)
     p = plan_next_generation(s, cfg(min_np=2), set(), 11.5)
     assert isinstance(p, GenerationPlan) and p.roster == ("a-1", "b-1") and p.number == 1
+    assert p.causes == (C.GENERATION_CAUSE_FIRST,)
     p = plan_next_generation(s, cfg(min_np=1, max_np=2), set(), 10.0)
     assert isinstance(p, GenerationPlan)
 
@@ -51,6 +60,7 @@ def test_survivors_keep_their_order_and_newcomers_never_take_rank_0() -> None:
     p = plan_next_generation(s, cfg(), set(), 100)
     assert p.roster == ("b-1", "c-1", "d-1")
     assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",) and p.needs_sync
+    assert p.causes == (C.GENERATION_CAUSE_EXPIRED, C.GENERATION_CAUSE_JOINED)
 
 
 def test_max_np_makes_standbys_and_promotes_them() -> None:
@@ -68,6 +78,7 @@ def test_removals_only_need_no_sync_but_a_broken_generation_does() -> None:
     s = snap(["a-1", "b-1"], gen=(3, ["a-1", "b-1"]), broken=["a-1"])
     p = plan_next_generation(s, cfg(), set(), 0.0)  # broken: no settle wait
     assert p.roster == ("a-1", "b-1") and p.needs_sync and p.broken and p.number == 4
+    assert p.causes == (C.GENERATION_CAUSE_BROKEN,)
 
 
 def test_silent_members_are_dropped_at_once() -> None:
@@ -78,6 +89,7 @@ def test_silent_members_are_dropped_at_once() -> None:
     assert silent_members(s, seen_at=99.5, join_timeout_s=1.0, now=100.0) == {}
     p = plan_next_generation(s, cfg(), silent, 100.0)
     assert p.roster == ("a-1", "c-1") and p.dropped == ("b-1",) and "dropped" in p.reason
+    assert p.causes == (C.GENERATION_CAUSE_DROPPED,)
 
 
 def test_drained_and_blacklisted_members_are_not_eligible() -> None:
@@ -126,6 +138,7 @@ def test_departures_below_min_np_write_a_waiting_generation() -> None:
     p = plan_next_generation(s, cfg(min_np=2), {}, 100)
     assert isinstance(p, GenerationPlan) and p.roster == () and p.number == 5
     assert "waiting" in p.reason and p.removed == ("b-1",)
+    assert p.causes == (C.GENERATION_CAUSE_BELOW_MIN_NP, C.GENERATION_CAUSE_EXPIRED)
     # From the waiting generation nothing more happens until enough peers are there ...
     s = snap(["a-1"], gen=(5, []))
     assert isinstance(plan_next_generation(s, cfg(min_np=2), {}, 100), Wait)
@@ -145,6 +158,7 @@ def test_roster_is_capped_by_its_byte_budget_and_the_reason_says_so() -> None:
     assert p.roster == tuple(members[:5])  # the oldest that fit; the rest are standbys
     assert roster_bytes(p.roster) <= 12 * 5
     assert "roster capped at 5 members" in p.reason and "15 more" in p.reason
+    assert p.causes == (C.GENERATION_CAUSE_FIRST, C.GENERATION_CAUSE_CAPPED)
 
 
 def test_reasons_name_a_few_members_and_count_the_rest() -> None:
@@ -154,3 +168,14 @@ def test_reasons_name_a_few_members_and_count_the_rest() -> None:
     assert isinstance(p, GenerationPlan) and len(p.joined) == 28
     assert "joined: host02-1,host03-1," in p.reason and "(+20 more)" in p.reason
     assert len(p.reason) < 200
+
+
+def test_departures_say_whether_a_member_left_expired_or_no_longer_fits() -> None:
+    # b drained (a graceful leave), c's key ended without one, e is live but max_np=2 cuts it.
+    s = snap(["a-1", "b-1", "d-1", "e-1"], gen=(2, ["a-1", "b-1", "c-1", "d-1", "e-1"]),
+             drains=["b-1"])
+    p = plan_next_generation(s, cfg(max_np=2), set(), 100)
+    assert p.roster == ("a-1", "d-1") and p.removed == ("b-1", "c-1", "e-1")
+    assert "left: b-1,c-1,e-1" in p.reason
+    assert p.causes == (C.GENERATION_CAUSE_LEFT, C.GENERATION_CAUSE_EXPIRED,
+                        C.GENERATION_CAUSE_RESIZED)

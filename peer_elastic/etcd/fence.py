@@ -67,7 +67,7 @@ def fence_member(coord: Coordinator, cause: int, detail: str,
     try:
         coord.client.txn([], [
             Txn.put(keys.fenced(member), encode(fence), run.lease_id),
-            Txn.put(keys.event(f"{time.time_ns():020d}-{member}"), encode(event), run.lease_id),
+            Txn.put(keys.event(member), encode(event), run.lease_id),
             Txn.delete(keys.member(member)),
         ])
         recorded = True

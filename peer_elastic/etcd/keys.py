@@ -13,17 +13,22 @@
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)
 /peer-elastic/<job>/<run>/progress              ProgressRecord (run lease)
-/peer-elastic/<job>/<run>/events/<ns>-<member>    EventRecord (run lease)
+/peer-elastic/<job>/<run>/events/<ns>-<member>  EventRecord (run lease)
 /peer-elastic/<job>/<run>/done                  DoneRecord (run lease)
 ```
 
 Everything but ``run`` lives under the run id, and every key is attached to a lease, so a
 finished or abandoned run disappears ``run_ttl`` after its last peer and the job name can
 be used again without colliding with stale keys.
+
+:class:`JobKeys` builds the job-level keys, :class:`RunKeys` those of one run, and
+:func:`parse` is their inverse: it turns a key back into a :class:`ParsedKey`.
 """
 
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass
 
 from peer_elastic.errors import ConfigError
@@ -42,6 +47,24 @@ def job_prefix(job: str) -> str:
 
 
 @dataclass(frozen=True)
+class JobKeys:
+    """Keys of one job that do not belong to a run: the prefix and the ``run`` record."""
+
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return job_prefix(self.job)
+
+    @property
+    def run_key(self) -> str:
+        return self.prefix + "run"
+
+    def run(self, run_id: str) -> RunKeys:
+        return RunKeys(self.job, run_id)
+
+
+@dataclass(frozen=True)
 class RunKeys:
     """Keys of one run of one job."""
 
@@ -49,12 +72,16 @@ class RunKeys:
     run_id: str
 
     @property
+    def job_keys(self) -> JobKeys:
+        return JobKeys(self.job)
+
+    @property
     def job_prefix(self) -> str:
         return job_prefix(self.job)
 
     @property
     def run_key(self) -> str:
-        return self.job_prefix + "run"
+        return self.job_keys.run_key
 
     @property
     def prefix(self) -> str:
@@ -102,10 +129,81 @@ class RunKeys:
     def done(self) -> str:
         return self.prefix + "done"
 
-    def event(self, seq: str) -> str:
-        """Event keys sort by time: ``seq`` is a zero-padded nanosecond stamp plus the writer."""
-        return f"{self.prefix}events/{seq}"
+    def event(self, writer: str, ns: int | None = None) -> str:
+        """A new event key. Event keys sort by time: a zero-padded nanosecond stamp (now,
+        unless ``ns`` is given), then the writer (a member id, or ``operator``)."""
+        return f"{self.prefix}events/{time.time_ns() if ns is None else ns:020d}-{writer}"
 
     @property
     def events_prefix(self) -> str:
         return self.prefix + "events/"
+
+
+class KeyKind(enum.Enum):
+    """What a key under the job prefix is (see the module docstring)."""
+
+    RUN = "run"
+    MEMBER = "members"
+    GENERATION = "generation"
+    READY = "ready"
+    BROKEN = "broken"
+    ALIVE = "alive"
+    STORE = "store"
+    DRAIN = "drain"
+    FENCED = "fenced"
+    FAILURES = "failures"
+    BLACKLIST = "blacklist"
+    PROGRESS = "progress"
+    DONE = "done"
+    EVENT = "events"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """A key taken apart by :func:`parse`.
+
+    ``name`` is the last segment where the key has one: the member id (members, acks,
+    drain, fenced), the host (failures, blacklist), the event's ``<ns>-<writer>``, or the
+    rest of a store key. ``generation`` is set for keys under ``gen/<n>/``.
+    """
+
+    kind: KeyKind
+    job: str
+    run_id: str = ""  # "" for RUN
+    name: str = ""
+    generation: int = 0
+
+
+_RUN_SINGLE = {"generation": KeyKind.GENERATION, "progress": KeyKind.PROGRESS,
+               "done": KeyKind.DONE}
+_RUN_NAMED = {"members": KeyKind.MEMBER, "drain": KeyKind.DRAIN, "fenced": KeyKind.FENCED,
+              "failures": KeyKind.FAILURES, "blacklist": KeyKind.BLACKLIST,
+              "events": KeyKind.EVENT}
+_ACKS = {"ready": KeyKind.READY, "broken": KeyKind.BROKEN, "alive": KeyKind.ALIVE}
+
+
+def parse(key: str) -> ParsedKey | None:
+    """The inverse of the builders above: what ``key`` is, or None if no builder makes it."""
+    if not key.startswith(ROOT):
+        return None
+    job, _, rest = key[len(ROOT):].partition("/")
+    if not valid_name(job) or not rest:
+        return None
+    if rest == "run":
+        return ParsedKey(KeyKind.RUN, job)
+    run_id, _, tail = rest.partition("/")
+    if not run_id or not tail:
+        return None
+    path = tail.split("/")
+    head = path[0]
+    if len(path) == 1 and head in _RUN_SINGLE:
+        return ParsedKey(_RUN_SINGLE[head], job, run_id)
+    if len(path) == 2 and head in _RUN_NAMED and path[1]:
+        return ParsedKey(_RUN_NAMED[head], job, run_id, path[1])
+    if head == "gen" and len(path) >= 3 and path[1].isdigit():
+        n = int(path[1])
+        if len(path) == 4 and path[2] in _ACKS and path[3]:
+            return ParsedKey(_ACKS[path[2]], job, run_id, path[3], n)
+        if path[2] == "store" and len(path) >= 4:
+            return ParsedKey(KeyKind.STORE, job, run_id, "/".join(path[3:]), n)
+    return None

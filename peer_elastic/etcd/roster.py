@@ -25,7 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.records import JobConfig
+from peer_elastic.records import GenerationCause, JobConfig
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,13 @@ class GenerationPlan:
 
     number: int
     roster: tuple[str, ...]
-    reason: str
+    reason: str  # for humans; decisions read ``causes``
     needs_sync: bool
     joined: tuple[str, ...]
     removed: tuple[str, ...]
     dropped: tuple[str, ...]  # silent members removed (their leases are revoked)
     broken: bool
+    causes: tuple[GenerationCause, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,20 +108,23 @@ def plan_next_generation(
     roster = tuple(_fit(wanted, roster_budget))
     capped = len(wanted) - len(roster)
     broken = gen is not None and any(m in prev for m in snap.broken.get(gen.number, {}))
+    dropped = tuple(m for m in prev if m in silent_now)
 
     if cfg.paused and gen is None:
         return Wait("paused")
     if len(roster) < cfg.min_np:
-        gone = [m for m in prev if m not in roster]
+        gone = tuple(m for m in prev if m not in roster)
         if gone:
             # Members left or died and too few remain: a generation with an EMPTY roster
             # stops everyone together (a leaver can go; nobody trains below min_np), and
             # the rest wait for peers under the elastic timeout.
+            _, causes = _departures(snap, gone, dropped, broken)
             return GenerationPlan(
                 number=gen.number + 1,  # type: ignore[union-attr]
                 roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
-                f"(gone: {_names(gone)})", needs_sync=False, joined=(), removed=tuple(gone),
-                dropped=tuple(m for m in prev if m in silent_now), broken=broken)
+                f"(gone: {_names(gone)})", needs_sync=False, joined=(), removed=gone,
+                dropped=dropped, broken=broken,
+                causes=(GenerationCause.GENERATION_CAUSE_BELOW_MIN_NP, *causes))
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
     quiet = now - snap.membership_changed_at
     if gen is None:
@@ -132,29 +136,27 @@ def plan_next_generation(
         return Wait("paused" if cfg.paused else "roster unchanged")
     elif not broken and not silent_now and quiet < cfg.settle_s:
         return Wait("settling", snap.membership_changed_at + cfg.settle_s)
+    return _plan(snap, roster, capped, dropped, broken)
 
+
+def _plan(snap: ViewSnapshot, roster: tuple[str, ...], capped: int, dropped: tuple[str, ...],
+          broken: bool) -> GenerationPlan:
+    """The generation that installs ``roster``, with its reason and causes."""
+    gen = snap.generation
+    prev = tuple(gen.roster) if gen is not None else ()
     joined = tuple(m for m in roster if m not in prev)
     removed = tuple(m for m in prev if m not in roster)
-    dropped = tuple(m for m in prev if m in silent_now)
-    parts = []
+    parts, causes = _departures(snap, removed, dropped, broken)
     if gen is None:
-        parts.append("first generation")
-    if broken:
-        parts.append("broken by " + _names(sorted(snap.broken[gen.number])))  # type: ignore[union-attr]
-    if dropped:
-        parts.append("dropped (no ack within join_timeout): " + _names(dropped))
-    # A member that fenced itself (its training thread hung) went with a record saying so.
-    hung = [m for m in removed if m not in dropped and m in snap.fenced]
-    if hung:
-        parts.append("hung (training thread stuck past hang_timeout_s): " + _names(hung))
-    left = [m for m in removed if m not in dropped and m not in snap.fenced]
-    if left:
-        parts.append("left: " + _names(left))
+        parts.insert(0, "first generation")
+        causes.insert(0, GenerationCause.GENERATION_CAUSE_FIRST)
     if joined and gen is not None:
         parts.append("joined: " + _names(joined))
+        causes.append(GenerationCause.GENERATION_CAUSE_JOINED)
     if capped:
         parts.append(f"roster capped at {len(roster)} members by the record size limit "
                      f"({capped} more wait as standbys)")
+        causes.append(GenerationCause.GENERATION_CAUSE_CAPPED)
     return GenerationPlan(
         number=(gen.number if gen is not None else 0) + 1,
         roster=roster,
@@ -166,7 +168,47 @@ def plan_next_generation(
         removed=removed,
         dropped=dropped,
         broken=broken,
+        causes=tuple(causes),
     )
+
+
+def _departures(snap: ViewSnapshot, removed: tuple[str, ...], dropped: tuple[str, ...],
+                broken: bool) -> tuple[list[str], list[GenerationCause]]:
+    """Why ``removed`` left the roster (and whether it broke): reason parts and causes."""
+    parts: list[str] = []
+    causes: list[GenerationCause] = []
+    if broken:
+        n = snap.generation.number  # type: ignore[union-attr]
+        parts.append("broken by " + _names(sorted(snap.broken[n])))
+        causes.append(GenerationCause.GENERATION_CAUSE_BROKEN)
+    if dropped:
+        parts.append("dropped (no ack within join_timeout): " + _names(dropped))
+        causes.append(GenerationCause.GENERATION_CAUSE_DROPPED)
+    # A member that fenced itself (its training thread hung) went with a record saying so.
+    hung = [m for m in removed if m not in dropped and m in snap.fenced]
+    if hung:
+        parts.append("hung (training thread stuck past hang_timeout_s): " + _names(hung))
+        causes.append(GenerationCause.GENERATION_CAUSE_HUNG)
+    left = [m for m in removed if m not in dropped and m not in snap.fenced]
+    if left:
+        parts.append("left: " + _names(left))
+        causes.extend(c for c in _LEFT_CAUSES if any(_left_cause(snap, m) == c for m in left))
+    return parts, causes
+
+
+_LEFT_CAUSES = (GenerationCause.GENERATION_CAUSE_LEFT, GenerationCause.GENERATION_CAUSE_EXPIRED,
+                GenerationCause.GENERATION_CAUSE_RESIZED)
+
+
+def _left_cause(snap: ViewSnapshot, member_id: str) -> GenerationCause:
+    """A removed member that was neither dropped nor fenced: drained (a graceful leave),
+    its key gone without one (its process died, or it lost its lease), or still a live
+    member that no longer fits (max_np lowered, the size cap, its host blacklisted)."""
+    if member_id in snap.drains:
+        return GenerationCause.GENERATION_CAUSE_LEFT
+    if member_id not in snap.members:
+        return GenerationCause.GENERATION_CAUSE_EXPIRED
+    return GenerationCause.GENERATION_CAUSE_RESIZED
 
 
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,

@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 from peer_elastic.errors import RecordError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
-from peer_elastic.etcd.keys import job_prefix
+from peer_elastic.etcd.keys import KeyKind, ParsedKey, job_prefix, parse
 from peer_elastic.etcd.watch import PrefixWatch
 from peer_elastic.records import (
     AckRecord,
@@ -259,29 +259,23 @@ class JobView:
         assert self._run is not None
         return self._runs.setdefault(self._run.run_id, _RunState())
 
-    def _split(self, key: str) -> tuple[str, list[str]] | None:
-        rest = key[len(self.prefix):]
-        if rest == "run":
-            return "", ["run"]
-        run_id, _, tail = rest.partition("/")
-        if not tail:
-            return None
-        return run_id, tail.split("/")
-
     def _bad(self, key: str, why: str) -> None:
         self.malformed[key] = why
         if key not in self._reported:
             self._reported.add(key)
             log.warning("ignoring malformed record: %s", why)
 
+    def _parse(self, key: str) -> ParsedKey | None:
+        k = parse(key)
+        return k if k is not None and k.job == self.job else None
+
     def _apply_put(self, kv: KeyValue) -> None:
-        parts = self._split(kv.key)
-        if parts is None:
+        k = self._parse(kv.key)
+        if k is None:
             self._bad(kv.key, f"{kv.key}: unexpected key under the job prefix")
             return
-        run_id, path = parts
         try:
-            if path == ["run"]:
+            if k.kind is KeyKind.RUN:
                 run = decode(RunRecord, kv.value, kv.key)
                 if self._run is None or self._run.run_id != run.run_id:
                     self._runs = {run.run_id: self._runs.get(run.run_id, _RunState())}
@@ -289,27 +283,27 @@ class JobView:
                 self._run = run
                 self._run_mod_revision = kv.mod_revision
                 return
-            st = self._runs.setdefault(run_id, _RunState())
-            if path == ["generation"]:
+            st = self._runs.setdefault(k.run_id, _RunState())
+            if k.kind is KeyKind.GENERATION:
                 # Track the key's revision even if the value turns out to be junk, so the
                 # leader's compare-and-swap can replace a corrupted record.
                 st.generation_mod_revision = kv.mod_revision
-            self._apply_run_put(st, path, kv)
+            self._apply_run_put(st, k, kv)
         except RecordError as exc:
             self._bad(kv.key, str(exc))
             return
         self.malformed.pop(kv.key, None)
 
-    def _apply_run_put(self, st: _RunState, path: list[str], kv: KeyValue) -> None:
-        head = path[0]
-        if head == "members" and len(path) == 2:
+    def _apply_run_put(self, st: _RunState, k: ParsedKey, kv: KeyValue) -> None:
+        kind, name = k.kind, k.name
+        if kind is KeyKind.MEMBER:
             rec = decode(MemberRecord, kv.value, kv.key)
-            if rec.member_id != path[1]:
+            if rec.member_id != name:
                 raise RecordError(f"{kv.key}: member id {rec.member_id!r} does not match its key")
-            if path[1] not in st.members:
+            if name not in st.members:
                 self._membership_changed_at = time.monotonic()
-            st.members[path[1]] = Member(rec, kv.create_revision, kv.lease)
-        elif head == "generation" and len(path) == 1:
+            st.members[name] = Member(rec, kv.create_revision, kv.lease)
+        elif kind is KeyKind.GENERATION:
             rec = decode(GenerationRecord, kv.value, kv.key)
             if st.generation is not None and rec.number <= st.generation.number:
                 raise RecordError(
@@ -320,93 +314,86 @@ class JobView:
             for table in (st.ready, st.alive, st.broken):
                 for n in [n for n in table if n < rec.number - 1]:
                     del table[n]
-        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "alive", "broken"):
-            n = _int(path[1], kv.key)
-            rec = decode(AckRecord, kv.value, kv.key)
-            if path[2] == "ready":
-                st.ready.setdefault(n, set()).add(path[3])
-            elif path[2] == "alive":
-                st.alive.setdefault(n, set()).add(path[3])
+        elif kind in (KeyKind.READY, KeyKind.ALIVE, KeyKind.BROKEN):
+            ack = decode(AckRecord, kv.value, kv.key)
+            if kind is KeyKind.READY:
+                st.ready.setdefault(k.generation, set()).add(name)
+            elif kind is KeyKind.ALIVE:
+                st.alive.setdefault(k.generation, set()).add(name)
             else:
-                st.broken.setdefault(n, {})[path[3]] = rec.detail
-        elif head == "gen" and len(path) >= 3 and path[2] == "store":
+                st.broken.setdefault(k.generation, {})[name] = ack.detail
+        elif kind is KeyKind.STORE:
             return  # torch Store traffic: not part of the picture
-        elif head == "drain" and len(path) == 2:
+        elif kind is KeyKind.DRAIN:
             decode(DrainRecord, kv.value, kv.key)
-            if path[1] not in st.drains:
+            if name not in st.drains:
                 self._membership_changed_at = time.monotonic()  # eligibility changed
-            st.drains.add(path[1])
-        elif head == "fenced" and len(path) == 2:
-            rec = decode(FenceRecord, kv.value, kv.key)
-            if rec.member_id != path[1]:
-                raise RecordError(f"{kv.key}: member id {rec.member_id!r} does not match its key")
-            if path[1] not in st.fenced:
+            st.drains.add(name)
+        elif kind is KeyKind.FENCED:
+            fence = decode(FenceRecord, kv.value, kv.key)
+            if fence.member_id != name:
+                raise RecordError(f"{kv.key}: member id {fence.member_id!r} does not match its key")
+            if name not in st.fenced:
                 self._membership_changed_at = time.monotonic()  # eligibility changed
-            st.fenced[path[1]] = rec
-        elif head == "blacklist" and len(path) == 2:
-            if path[1] not in st.blacklist:
+            st.fenced[name] = fence
+        elif kind is KeyKind.BLACKLIST:
+            if name not in st.blacklist:
                 self._membership_changed_at = time.monotonic()
-            st.blacklist[path[1]] = decode(HostRecord, kv.value, kv.key)
-        elif head == "failures" and len(path) == 2:
-            st.failures[path[1]] = (decode(HostRecord, kv.value, kv.key), kv.mod_revision)
-        elif head == "progress" and len(path) == 1:
+            st.blacklist[name] = decode(HostRecord, kv.value, kv.key)
+        elif kind is KeyKind.FAILURES:
+            st.failures[name] = (decode(HostRecord, kv.value, kv.key), kv.mod_revision)
+        elif kind is KeyKind.PROGRESS:
             st.progress = decode(ProgressRecord, kv.value, kv.key)
-        elif head == "done" and len(path) == 1:
+        elif kind is KeyKind.DONE:
             st.done = decode(DoneRecord, kv.value, kv.key)
-        elif head == "events":
+        elif kind is KeyKind.EVENT:
             st.events.add(kv.key)  # counted for pruning; records are read by the CLI only
-        else:
-            raise RecordError(f"{kv.key}: unexpected key under the run prefix")
 
     def _apply_delete(self, key: str) -> None:
         self.malformed.pop(key, None)
-        parts = self._split(key)
-        if parts is None:
+        k = self._parse(key)
+        if k is None:
             return
-        run_id, path = parts
-        if path == ["run"]:
+        if k.kind is KeyKind.RUN:
             self._run = None
             self._run_mod_revision = 0
             return
-        st = self._runs.get(run_id)
+        st = self._runs.get(k.run_id)
         if st is None:
             return
-        head = path[0]
-        if head == "members" and len(path) == 2:
-            m = st.members.pop(path[1], None)
+        kind, name = k.kind, k.name
+        if kind is KeyKind.MEMBER:
+            m = st.members.pop(name, None)
             if m is not None:
                 self._membership_changed_at = time.monotonic()
-                if self._run is not None and run_id == self._run.run_id:
+                if self._run is not None and k.run_id == self._run.run_id:
                     self._departure_seq += 1
                     self._departures.append(
                         Departure(self._departure_seq, m.id, m.host, m.id in st.drains))
                     del self._departures[:-256]
-        elif head == "generation":
+        elif kind is KeyKind.GENERATION:
             st.generation = None  # only when the run lease ends
             st.generation_mod_revision = 0
-        elif head == "gen" and len(path) == 4 and path[2] in ("ready", "alive", "broken"):
-            n = _int_or_none(path[1])
-            if n is not None:
-                if path[2] == "ready":
-                    st.ready.get(n, set()).discard(path[3])
-                elif path[2] == "alive":
-                    st.alive.get(n, set()).discard(path[3])
-                else:
-                    st.broken.get(n, {}).pop(path[3], None)
-        elif head == "drain" and len(path) == 2:
-            st.drains.discard(path[1])
-        elif head == "fenced" and len(path) == 2:
-            st.fenced.pop(path[1], None)
-        elif head == "blacklist" and len(path) == 2:
-            if st.blacklist.pop(path[1], None) is not None:
+        elif kind is KeyKind.READY:
+            st.ready.get(k.generation, set()).discard(name)
+        elif kind is KeyKind.ALIVE:
+            st.alive.get(k.generation, set()).discard(name)
+        elif kind is KeyKind.BROKEN:
+            st.broken.get(k.generation, {}).pop(name, None)
+        elif kind is KeyKind.DRAIN:
+            st.drains.discard(name)
+        elif kind is KeyKind.FENCED:
+            st.fenced.pop(name, None)
+        elif kind is KeyKind.BLACKLIST:
+            if st.blacklist.pop(name, None) is not None:
                 self._membership_changed_at = time.monotonic()  # the host is eligible again
-        elif head == "failures" and len(path) == 2:
-            st.failures.pop(path[1], None)
-        elif head == "events":
+        elif kind is KeyKind.FAILURES:
+            st.failures.pop(name, None)
+        elif kind is KeyKind.EVENT:
             st.events.discard(key)
-        elif head == "progress":
+        elif kind is KeyKind.PROGRESS:
             st.progress = None
-        elif head == "done":
+        elif kind is KeyKind.DONE:
             st.done = None
 
     def _build_snapshot(self) -> ViewSnapshot:
@@ -437,13 +424,3 @@ class JobView:
             fenced=MappingProxyType(dict(st.fenced)),
         )
 
-
-def _int(s: str, key: str) -> int:
-    n = _int_or_none(s)
-    if n is None:
-        raise RecordError(f"{key}: {s!r} is not a generation number")
-    return n
-
-
-def _int_or_none(s: str) -> int | None:
-    return int(s) if s.isdigit() else None

@@ -7,12 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GenerationCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GENERATION_CAUSE_UNSPECIFIED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_FIRST: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_BROKEN: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_DROPPED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_HUNG: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_LEFT: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_EXPIRED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_RESIZED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_JOINED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_CAPPED: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_BELOW_MIN_NP: _ClassVar[GenerationCause]
+
 class FenceCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FENCE_CAUSE_UNSPECIFIED: _ClassVar[FenceCause]
     FENCE_CAUSE_HUNG: _ClassVar[FenceCause]
+
+class DoneCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DONE_CAUSE_UNSPECIFIED: _ClassVar[DoneCause]
+    DONE_CAUSE_RETURNED: _ClassVar[DoneCause]
+    DONE_CAUSE_RESET_LIMIT: _ClassVar[DoneCause]
+    DONE_CAUSE_ELASTIC_TIMEOUT: _ClassVar[DoneCause]
+GENERATION_CAUSE_UNSPECIFIED: GenerationCause
+GENERATION_CAUSE_FIRST: GenerationCause
+GENERATION_CAUSE_BROKEN: GenerationCause
+GENERATION_CAUSE_DROPPED: GenerationCause
+GENERATION_CAUSE_HUNG: GenerationCause
+GENERATION_CAUSE_LEFT: GenerationCause
+GENERATION_CAUSE_EXPIRED: GenerationCause
+GENERATION_CAUSE_RESIZED: GenerationCause
+GENERATION_CAUSE_JOINED: GenerationCause
+GENERATION_CAUSE_CAPPED: GenerationCause
+GENERATION_CAUSE_BELOW_MIN_NP: GenerationCause
 FENCE_CAUSE_UNSPECIFIED: FenceCause
 FENCE_CAUSE_HUNG: FenceCause
+DONE_CAUSE_UNSPECIFIED: DoneCause
+DONE_CAUSE_RETURNED: DoneCause
+DONE_CAUSE_RESET_LIMIT: DoneCause
+DONE_CAUSE_ELASTIC_TIMEOUT: DoneCause
 
 class JobConfig(_message.Message):
     __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s")
@@ -94,7 +130,7 @@ class MemberRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed", "detected_unix")
+    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed", "detected_unix", "causes")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     ROSTER_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +141,7 @@ class GenerationRecord(_message.Message):
     JOINED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     DETECTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CAUSES_FIELD_NUMBER: _ClassVar[int]
     schema: int
     number: int
     roster: _containers.RepeatedScalarFieldContainer[str]
@@ -115,7 +152,8 @@ class GenerationRecord(_message.Message):
     joined: _containers.RepeatedScalarFieldContainer[str]
     removed: _containers.RepeatedScalarFieldContainer[str]
     detected_unix: float
-    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., detected_unix: _Optional[float] = ...) -> None: ...
+    causes: _containers.RepeatedScalarFieldContainer[GenerationCause]
+    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., detected_unix: _Optional[float] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
 
 class AckRecord(_message.Message):
     __slots__ = ("schema", "member_id", "generation", "unix", "detail")
@@ -194,20 +232,22 @@ class ProgressRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., batch: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unix: _Optional[float] = ..., commits: _Optional[int] = ...) -> None: ...
 
 class DoneRecord(_message.Message):
-    __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation")
+    __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation", "cause")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
     UNIX_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     schema: int
     success: bool
     reason: str
     written_by: str
     unix: float
     generation: int
-    def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+    cause: DoneCause
+    def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ..., cause: _Optional[_Union[DoneCause, str]] = ...) -> None: ...
 
 class EventRecord(_message.Message):
     __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s")

@@ -1,0 +1,156 @@
+"""Operator commands on a running job: drain, settings, status. No torch, no membership.
+
+``peer-elastic drain``, ``set``, ``pause``, ``resume`` and ``status`` call these; the CLI
+only parses arguments and formats what they return.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from peer_elastic.config import JOB_FIELDS, validate
+from peer_elastic.errors import ConfigError, PeerElasticError
+from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn
+from peer_elastic.etcd.keys import JobKeys, RunKeys
+from peer_elastic.etcd.view import JobView, ViewSnapshot
+from peer_elastic.records import (
+    DrainRecord,
+    EventRecord,
+    JobConfig,
+    RunRecord,
+    decode,
+    encode,
+    valid_name,
+)
+
+#: Settings that can change while a job runs. Lease TTLs cannot: leases are already granted.
+RUNTIME_SETTINGS = frozenset({
+    "min_np", "max_np", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after",
+    "blacklist_cooldown_s", "settle_s", "start_settle_s", "paused",
+    "hang_timeout_s",  # read from the watched run record at every look of the hang detector
+})
+
+
+def current_run(client: EtcdClient, job: str) -> tuple[RunRecord, KeyValue]:
+    """``job``'s current run record (and its key-value, for a compare-and-swap)."""
+    kv = client.get(JobKeys(job).run_key)
+    if kv is None:
+        raise ConfigError(f"job {job!r} has no running run")
+    return decode(RunRecord, kv.value, kv.key), kv
+
+
+def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "operator") -> None:
+    """Ask ``member_id`` to leave gracefully (what ``peer-elastic drain`` does)."""
+    run, _ = current_run(client, job)
+    keys = RunKeys(job, run.run_id)
+    if not valid_name(member_id) or client.get(keys.member(member_id)) is None:
+        raise ConfigError(f"job {job!r} has no member {member_id!r} (see peer-elastic status)")
+    rec = DrainRecord(member_id=member_id, requested_by=requested_by, unix=time.time())
+    event = EventRecord(kind="drain requested", member_id=member_id, unix=time.time(),
+                        detail=f"by {requested_by}")
+    client.txn([], [
+        Txn.put(keys.drain(member_id), encode(rec), run.lease_id),
+        Txn.put(keys.event(member_id), encode(event), run.lease_id),
+    ])
+
+
+def _parse_changes(changes: Mapping[str, object]) -> dict[str, object]:
+    """Check that ``changes`` name runtime settings and convert their values."""
+    kinds = {f.name: f.kind for f in JOB_FIELDS} | {"paused": bool}
+    out: dict[str, object] = {}
+    for name, value in changes.items():
+        if name not in kinds:
+            raise ConfigError(f"unknown setting {name!r}; settable: {sorted(RUNTIME_SETTINGS)}")
+        if name not in RUNTIME_SETTINGS:
+            raise ConfigError(f"{name} cannot change while the job runs (leases already hold it)")
+        kind = kinds[name]
+        try:
+            if kind is bool and isinstance(value, str):
+                out[name] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                out[name] = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+    return out
+
+
+def update_config(client: EtcdClient, job: str, changes: Mapping[str, object],
+                  requested_by: str = "operator") -> JobConfig:
+    """Change settings of a running job (``peer-elastic set``, ``pause``, ``resume``).
+
+    Peers read the settings from the watched run record, so the change takes effect at
+    their next step, with no restart. Compare-and-swap on the run record; retried when a
+    peer or another operator changed it meanwhile.
+    """
+    parsed = _parse_changes(changes)
+    run_key = JobKeys(job).run_key
+    for _attempt in range(10):
+        run, kv = current_run(client, job)
+        for name, value in parsed.items():
+            setattr(run.config, name, value)
+            if name not in run.overridden:
+                run.overridden.append(name)
+        validate(run.config)
+        keys = RunKeys(job, run.run_id)
+        detail = ", ".join(f"{k}={getattr(run.config, k)}" for k in changes)
+        event = EventRecord(kind="settings changed", unix=time.time(),
+                            detail=f"{detail} (by {requested_by})")
+        ok, _ = client.txn([Txn.mod(run_key) == kv.mod_revision], [
+            Txn.put(run_key, encode(run), run.lease_id),
+            Txn.put(keys.event("operator"), encode(event), run.lease_id),
+        ])
+        if ok:
+            return run.config
+    raise PeerElasticError(f"job {job!r}: the run record kept changing; settings not applied")
+
+
+def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
+    """The ``status --json`` document (a stable schema; see the README)."""
+    view = JobView(client, job).start()
+    try:
+        snap = view.snapshot()
+    finally:
+        view.stop()
+    if snap.run is None:
+        raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
+    return status_document(job, snap, time.time())
+
+
+def status_document(job: str, snap: ViewSnapshot, now: float) -> dict[str, Any]:
+    """:func:`job_status` of the picture ``snap`` at wall-clock ``now``."""
+    assert snap.run is not None
+    gen = snap.generation
+    roster = list(gen.roster) if gen else []
+    eligible = snap.eligible()
+    members = [{
+        "id": m.id,
+        "host": m.host,
+        "address": m.record.address,  # where to scrape its metrics ("" when off)
+        "rank": roster.index(m.id) if m.id in roster else None,
+        "standby": m.id not in roster,
+        "pid": m.record.pid,
+        "age_s": round(now - m.record.started_unix, 1),
+        "draining": m.id in snap.drains,
+    } for m in snap.by_age]
+    p = snap.progress
+    return {
+        "job": job,
+        "run_id": snap.run.run_id,
+        "generation": gen.number if gen else 0,
+        "world_size": len(roster),
+        "leader": eligible[0].id if eligible else None,
+        "reason": gen.reason if gen else "",
+        "resets": max(0, (gen.number if gen else 0) - 1),
+        "members": members,
+        "progress": None if p is None else {
+            "epoch": p.epoch, "batch": p.batch, "step": p.step, "generation": p.generation,
+            "world_size": p.world_size, "age_s": round(now - p.unix, 1),
+        },
+        "done": None if snap.done is None else {
+            "success": snap.done.success, "reason": snap.done.reason,
+        },
+        "config": {f.name: getattr(snap.run.config, f.name) for f in JOB_FIELDS},
+        "keys_prefix": RunKeys(job, snap.run.run_id).prefix,
+    }

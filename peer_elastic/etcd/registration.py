@@ -1,0 +1,174 @@
+"""Becoming a member of a job's current run, starting the run if there is none.
+
+:func:`register` puts a fresh member key under a fresh member lease, in one transaction
+with the run record it read (or created): a member never registers into a run that
+changed or ended meanwhile. A peer that lost its lease calls it again and comes back as a
+new member (a joiner). The session is revoked on any failure, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from peer_elastic import __version__
+from peer_elastic.config import JobSettings
+from peer_elastic.errors import ConfigError, PeerElasticError, RecordError
+from peer_elastic.etcd.client import EtcdClient, Txn
+from peer_elastic.etcd.done import done_error
+from peer_elastic.etcd.keys import JobKeys, RunKeys
+from peer_elastic.etcd.lease import LeaseKeeper, Session
+from peer_elastic.etcd.writer import holds
+from peer_elastic.records import (
+    DoneRecord,
+    JobConfig,
+    MemberRecord,
+    RunRecord,
+    decode,
+    encode,
+    valid_name,
+)
+
+log = logging.getLogger(__name__)
+
+#: Attempts at registering while the run record keeps changing under us.
+ATTEMPTS = 20
+
+
+def default_host() -> str:
+    host = os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname() or "localhost"
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in host)[:64]
+    return host if valid_name(host) else "host"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a peer says about itself in every member record it writes."""
+
+    host: str
+    address: str = ""
+    local_rank: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def new_member_id(self) -> str:
+        return f"{self.host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+    def member_record(self, member_id: str, lease_id: int) -> MemberRecord:
+        rec = MemberRecord(
+            member_id=member_id,
+            host=self.host,
+            address=self.address,
+            pid=os.getpid(),
+            local_rank=self.local_rank,
+            lease_id=lease_id,
+            version=__version__,
+            started_unix=time.time(),
+        )
+        rec.labels.update(self.labels)
+        return rec
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A member key in etcd: who, in which run, under which lease."""
+
+    member_id: str
+    run: RunRecord
+    keys: RunKeys
+    session: Session
+
+    @property
+    def config(self) -> JobConfig:
+        return self.run.config
+
+
+def register(client: EtcdClient, job: str, settings: JobSettings, identity: Identity,
+             keeper: LeaseKeeper, on_lease_lost: Callable[[int, str], None],
+             check_not_closed: Callable[[], None]) -> Registration:
+    """Find or create ``job``'s run, then put a new member key under a fresh lease.
+
+    ``check_not_closed`` raises to abandon the attempt (the caller closed meanwhile).
+    Raises :class:`~peer_elastic.errors.JobFinished` (or the failure that ended the run)
+    when the run is done, :class:`ConfigError` when ``settings`` differ from the run's.
+    """
+    wanted = settings.resolved()
+    check_not_closed()
+    session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
+    member_id = identity.new_member_id()
+    try:
+        for _attempt in range(ATTEMPTS):
+            run_kv = client.get(JobKeys(job).run_key)
+            check_not_closed()  # close() during a rejoin: register nothing
+            if run_kv is None:
+                run = _create_run(client, job, wanted, identity, session, member_id)
+                if run is not None:
+                    return Registration(member_id, run, RunKeys(job, run.run_id), session)
+                continue
+            run = _adopt_run(job, settings, run_kv.value, run_kv.key)
+            keys = RunKeys(job, run.run_id)
+            done = client.get(keys.done)
+            if done is not None:
+                raise done_error(job, decode(DoneRecord, done.value, done.key))
+            rec = identity.member_record(member_id, session.lease_id)
+            ok, _ = client.txn(
+                [Txn.mod(keys.run_key) == run_kv.mod_revision],
+                [Txn.put(keys.member(member_id), encode(rec), session.lease_id)],
+            )
+            if ok:
+                return Registration(member_id, run, keys, session)
+        raise PeerElasticError(f"job {job!r}: the run record kept changing; "
+                               f"could not register after {ATTEMPTS} attempts")
+    except BaseException:
+        session.close(revoke=True)
+        raise
+
+
+def _create_run(client: EtcdClient, job: str, cfg: JobConfig, identity: Identity,
+                session: Session, member_id: str) -> RunRecord | None:
+    """Create the run with our member key in it; None when another peer's run won."""
+    run_lease = client.grant(cfg.run_ttl_s)
+    run = RunRecord(
+        run_id=f"r{int(time.time())}-{secrets.token_hex(4)}",
+        lease_id=run_lease,
+        created_unix=time.time(),
+        created_by=member_id,
+    )
+    run.config.CopyFrom(cfg)
+    keys = RunKeys(job, run.run_id)
+    rec = identity.member_record(member_id, session.lease_id)
+    data = encode(run)
+    ok, resp = client.txn(
+        [Txn.version(keys.run_key) == 0],
+        [
+            Txn.put(keys.run_key, data, run_lease),
+            Txn.put(keys.member(member_id), encode(rec), session.lease_id),
+        ],
+        [Txn.get(keys.run_key)],
+    )
+    if not ok and holds(resp, data):
+        # The client retried a create whose answer was lost after etcd applied it: the
+        # run there is ours (its id is fresh), not a rival's. Revoking the lease would
+        # delete the run we just created, and any peer that joined it meanwhile.
+        ok = True
+    if not ok:
+        client.revoke(run_lease)
+        return None
+    log.info("started run %s of job %s", run.run_id, job)
+    return run
+
+
+def _adopt_run(job: str, settings: JobSettings, data: bytes, key: str) -> RunRecord:
+    try:
+        run = decode(RunRecord, data, key)
+    except RecordError as exc:
+        raise ConfigError(
+            f"job {job!r} has an unreadable run record ({exc}). If no peer of it is "
+            f"running, delete it: etcdctl del --prefix {JobKeys(job).prefix}"
+        ) from None
+    settings.check_against(run.config, job, adopt=set(run.overridden))
+    return run

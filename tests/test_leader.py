@@ -1,0 +1,193 @@
+"""Leader decisions with a fake writer and a fake clock, and what a done record means (no etcd)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+
+from peer_elastic.config import JobSettings
+from peer_elastic.errors import (
+    ElasticTimeout,
+    EtcdRequestTooLarge,
+    JobFinished,
+    PeerElasticError,
+    ResetLimitExceeded,
+)
+from peer_elastic.etcd.done import done_error
+from peer_elastic.etcd.leader import Leader
+from peer_elastic.etcd.view import Departure, Member, ViewSnapshot
+from peer_elastic.etcd.writer import Written
+from peer_elastic.records import (
+    DoneCause,
+    DoneRecord,
+    GenerationRecord,
+    HostRecord,
+    MemberRecord,
+    RunRecord,
+)
+
+
+class FakeWrites:
+    def __init__(self, member_id: str, written: Written = Written.WRITTEN) -> None:
+        self.member_id = member_id
+        self.written = written
+        self.calls: list[tuple] = []
+
+    def etcd_settled_at(self) -> float:
+        return 0.0
+
+    def event(self, kind, detail="", member_id=None, generation=0):  # noqa: ANN001, ANN201
+        self.calls.append(("event", kind))
+
+    def prune_events(self, count: int) -> None:
+        self.calls.append(("prune", count))
+
+    def write_done(self, success, reason, cause, generation, timeout_s=None):  # noqa: ANN001, ANN201
+        self.calls.append(("done", success, cause))
+        return True
+
+    def count_host_failure(self, host, member_id, count, mod_revision):  # noqa: ANN001, ANN201
+        self.calls.append(("failure", host, count))
+
+    def blacklist_host(self, host, member_id, count, cooldown_s):  # noqa: ANN001, ANN201
+        self.calls.append(("blacklist", host, count))
+
+    def write_generation(self, snap, plan, detected_unix, silent=None):  # noqa: ANN001, ANN201
+        if isinstance(self.written, Exception):
+            raise self.written
+        self.calls.append(("generation", plan.number, plan.roster, detected_unix))
+        return self.written
+
+    def revoke(self, lease_id: int) -> None:
+        self.calls.append(("revoke", lease_id))
+
+
+def snap(members, gen=None, ready=(), changed_at=0.0, departures=(), failures=None,
+         event_count=0, **settings) -> ViewSnapshot:  # noqa: ANN001
+    cfg = JobSettings(**{"settle_s": 0.05, "start_settle_s": 1.0, **settings}).resolved()
+    run = RunRecord(run_id="r", lease_id=1)
+    run.config.CopyFrom(cfg)
+    ms = {m: Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=10 + i), i + 1, 1)
+          for i, m in enumerate(members)}
+    g = None if gen is None else GenerationRecord(number=gen[0], roster=list(gen[1]))
+    n = gen[0] if gen else 0
+    return ViewSnapshot(
+        revision=1, version=1, run=run, run_mod_revision=1,
+        members=MappingProxyType(ms), by_age=tuple(ms.values()), generation=g,
+        generation_mod_revision=1 if g else 0, ready=MappingProxyType({n: frozenset(ready)}),
+        broken=MappingProxyType({}), drains=frozenset(), blacklist=MappingProxyType({}),
+        failures=MappingProxyType(failures or {}), progress=None, done=None,
+        membership_changed_at=changed_at, departures=tuple(departures),
+        event_count=event_count,
+    )
+
+
+def leader(member_id: str = "a-1", **kw) -> tuple[Leader, FakeWrites]:  # noqa: ANN003
+    w = FakeWrites(member_id, **kw)
+    return Leader("job", w, wall=lambda: 1000.0), w
+
+
+def test_only_the_oldest_eligible_member_writes() -> None:
+    s = snap(["a-1", "b-1"], min_np=2)
+    lb, wb = leader("b-1")
+    assert lb.step(s, 5.0) is None and wb.calls == []
+    la, wa = leader("a-1")
+    la.step(s, 5.0)
+    assert wa.calls == [("generation", 1, ("a-1", "b-1"), 1000.0 - 5.0)]
+    assert la.stats["generations_written"] == 1
+
+
+def test_waiting_leader_says_when_to_look_again() -> None:
+    s = snap(["a-1", "b-1"], changed_at=10.0, min_np=2)
+    la, wa = leader()
+    assert la.step(s, 10.2) == pytest.approx(11.0)  # start_settle_s after the last change
+    assert wa.calls == []
+    # A generation nobody else acked: look again when its silence could start.
+    s = snap(["a-1", "b-1"], gen=(1, ["a-1", "b-1"]), ready=["a-1"], min_np=2)
+    assert la.step(s, 20.0) == pytest.approx(20.0 + s.run.config.join_timeout_s)
+
+
+def test_silent_members_are_dropped_after_join_timeout_and_their_leases_revoked() -> None:
+    s = snap(["a-1", "b-1", "c-1"], gen=(2, ["a-1", "b-1", "c-1"]), ready=["a-1", "c-1"])
+    la, wa = leader()
+    timeout = s.run.config.join_timeout_s
+    la.step(s, 100.0)  # first sight of generation 2 starts its clock
+    la.step(s, 100.0 + timeout - 0.01)
+    assert wa.calls == []
+    la.step(s, 100.0 + timeout)
+    assert wa.calls == [("generation", 3, ("a-1", "c-1"), 1000.0), ("revoke", 11)]
+    assert la.stats["dropped"] == 1
+
+
+def test_elastic_timeout_fails_the_run_on_the_fake_clock() -> None:
+    s = snap(["a-1"], gen=(1, []), min_np=2, elastic_timeout_s=30)
+    la, wa = leader()
+    la.step(s, 0.0)
+    la.step(s, 30.0)
+    assert ("done", False, DoneCause.DONE_CAUSE_ELASTIC_TIMEOUT) not in wa.calls
+    with pytest.raises(ElasticTimeout):
+        la.step(s, 30.5)
+    assert ("done", False, DoneCause.DONE_CAUSE_ELASTIC_TIMEOUT) in wa.calls
+
+
+def test_reset_limit_ends_the_run_instead_of_writing_a_generation() -> None:
+    s = snap(["a-1", "b-1"], gen=(3, ["a-1"]), reset_limit=2)
+    la, wa = leader()
+    la.step(s, 100.0)
+    assert wa.calls == [("done", False, DoneCause.DONE_CAUSE_RESET_LIMIT)]
+
+
+def test_a_lost_race_is_counted() -> None:
+    la, _ = leader(written=Written.LOST)
+    la.step(snap(["a-1"], min_np=1), 5.0)
+    assert la.stats == {"generations_written": 0, "cas_lost": 1, "dropped": 0}
+
+
+def test_too_large_halves_the_roster_budget_or_fails_when_minimal() -> None:
+    la, wa = leader("h0-1", written=EtcdRequestTooLarge("too large"))
+    members = [f"h{i}-1" for i in range(4)]
+    la.step(snap(members, min_np=1), 5.0)
+    assert la.roster_budget == 4 * 7 // 2 and ("event", "generation too large") in wa.calls
+    la, _ = leader(written=EtcdRequestTooLarge("too large"))
+    with pytest.raises(PeerElasticError, match="max-request-bytes"):
+        la.step(snap(["a-1"], min_np=1), 5.0)
+
+
+def test_failed_departures_are_counted_per_host_then_blacklisted() -> None:
+    gone = [Departure(1, "x-1", "hostx", False), Departure(2, "y-1", "hosty", True)]
+    s = snap(["a-1"], gen=(1, ["a-1"]), departures=gone, blacklist_after=2,
+             failures={"hostx": (HostRecord(host="hostx", failures=1), 7)})
+    la, wa = leader()
+    la.step(s, 5.0)
+    assert ("event", "expired") in wa.calls and ("blacklist", "hostx", 2) in wa.calls
+    assert not any(c[0] == "failure" or c[1:2] == ("hosty",) for c in wa.calls)
+    wa.calls.clear()
+    la.step(s, 6.0)  # the same departures are not counted twice
+    assert wa.calls == []
+
+
+def test_event_log_is_pruned_once_ten_percent_over_the_cap() -> None:
+    la, wa = leader()
+    la.events_kept = 100
+    la.step(snap(["a-1"], gen=(1, ["a-1"]), event_count=110), 5.0)
+    assert wa.calls == []
+    s = snap(["a-1"], gen=(1, ["a-1"]), event_count=111)
+    la.step(s, 5.0)
+    la.step(dataclasses.replace(s, version=2), 6.0)  # not again before the view saw it
+    assert wa.calls == [("prune", 11)]
+
+
+@pytest.mark.parametrize(("cause", "reason", "error"), [
+    (DoneCause.DONE_CAUSE_RESET_LIMIT, "x", ResetLimitExceeded),
+    (DoneCause.DONE_CAUSE_ELASTIC_TIMEOUT, "x", ElasticTimeout),
+    (DoneCause.DONE_CAUSE_RETURNED, "reset limit in the text decides nothing", JobFinished),
+    # Records from writers before DoneRecord.cause: their reasons began with these words.
+    (DoneCause.DONE_CAUSE_UNSPECIFIED, "reset limit exceeded: 3 resets", ResetLimitExceeded),
+    (DoneCause.DONE_CAUSE_UNSPECIFIED, "elastic timeout: fewer than 2", ElasticTimeout),
+])
+def test_a_done_records_cause_picks_the_error(cause: int, reason: str, error: type) -> None:
+    err = done_error("job", DoneRecord(success=False, reason=reason, cause=cause))
+    assert type(err) is error
+    assert type(done_error("job", DoneRecord(success=True, cause=cause))) is JobFinished
