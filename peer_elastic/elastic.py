@@ -43,6 +43,7 @@ from peer_elastic.errors import (
     PeerElasticError,
 )
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
@@ -166,7 +167,7 @@ class Peer:
         snap = coord.snapshot()
         newest = snap.generation
         want = newest.number if newest is not None else current
-        if coord.incarnation != self._incarnation or coord.error or snap.done is not None:
+        if stop_reason(coord, group, snap, causes=RESET_NOW) is not None:
             # Lease lost (we must not go on in this group), a fatal error, or the job ended
             # (e.g. reset limit): everyone stops at this call and the reset path reports it.
             want = max(want, current + 1)

@@ -57,6 +57,7 @@ from peer_elastic.etcd.roster import (
     roster_bytes,
     silent_members,
 )
+from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.records import (
     AckRecord,
@@ -378,14 +379,17 @@ class Coordinator:
                           tuple(gen.roster), self.member_id in gen.joined, gen.reason)
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
-        """Raise whatever ends this peer's participation: done, fatal error."""
-        if self.error is not None:
-            raise self.error
+        """Raise whatever ends this peer's participation: fatal error, done, a drain that
+        took effect (decided by :func:`~peer_elastic.etcd.stop.stop_reason`)."""
         snap = snap or self.snapshot()
-        if snap.done is not None:
+        reason = stop_reason(self, None, snap, causes=LEAVE_JOB)
+        if reason is None:
+            return
+        if reason.cause is StopCause.FATAL and self.error is not None:
+            raise self.error
+        if reason.cause is StopCause.JOB_DONE and snap.done is not None:
             self._raise_done(snap.done)
-        if self.drain_requested.is_set() and self.assignment(snap) is None:
-            raise LeaveRequested(f"member {self.member_id} left job {self.job!r} as requested")
+        raise LeaveRequested(reason.detail)
 
     # -- waiting ----------------------------------------------------------------------------------
 
