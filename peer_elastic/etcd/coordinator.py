@@ -163,8 +163,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0,
-                      "collectives_abandoned": 0}  # the last one counted by GroupManager
+        # What this coordination thread did (the training side counts in Peer.stats).
+        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
         # Lowered when etcd refuses a generation record as too large (a server started with
         # a --max-request-bytes below the default): the next plan caps the roster under it.
         self.roster_budget = ROSTER_BUDGET_BYTES

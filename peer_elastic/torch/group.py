@@ -34,6 +34,7 @@ from peer_elastic.etcd.stop import (
     StopCause,
     stop_reason,
 )
+from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.store import EtcdStore
 
@@ -90,11 +91,14 @@ class GroupManager:
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
+        *,
+        stats: PeerStats | None = None,
     ) -> None:
         # gloo bounds its rendezvous waits by the group timeout (collective_timeout_s); the
         # store's own timeout bounds plain gets. Both end early when the generation is
         # superseded, through the store's abort check.
         self.coordinator = coordinator
+        self.stats = stats if stats is not None else PeerStats()
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
@@ -175,6 +179,16 @@ class GroupManager:
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
 
+    # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
+
+    def current_group(self) -> FormedGroup | None:
+        """The group this peer is in now (None between groups)."""
+        return self.current
+
+    def grace_s(self) -> float:
+        """How long the training thread may take to leave a group that lost a peer."""
+        return float(self.coordinator.config.join_timeout_s or 1.0)
+
     def lost_peer(self, group: FormedGroup) -> str | None:
         """Why ``group`` can no longer complete a collective, or None while it can.
 
@@ -210,7 +224,7 @@ class GroupManager:
                         "end at the collective timeout (%.0f s)", why, n,
                         self.collective_timeout_s)
             return False
-        self.coordinator.stats["collectives_abandoned"] += 1
+        self.stats.collective_abandoned()
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
 
