@@ -47,6 +47,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from peer_elastic.settings_table import ETCD_BINARY
+
 __all__ = [
     "ETCD_BINARY_ENV",
     "EtcdCluster",
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 #: Environment variable that names the etcd binary to use; it wins over every other lookup.
-ETCD_BINARY_ENV = "PEER_ELASTIC_ETCD_BINARY"
+ETCD_BINARY_ENV = ETCD_BINARY.env
 
 _LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 30
@@ -98,7 +100,7 @@ def find_etcd_binary() -> str:
     Raises:
         FileNotFoundError: nothing found; the message says how to get one.
     """
-    override = os.environ.get(ETCD_BINARY_ENV)
+    override = ETCD_BINARY.raw()
     if override:
         if _is_executable_file(override):
             return os.path.abspath(override)

@@ -39,12 +39,12 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from peer_elastic.errors import ConfigError
+from peer_elastic.settings_table import HOST, METRICS_ADDR, METRICS_PORT
 
 if TYPE_CHECKING:
     from peer_elastic.elastic import Peer
@@ -64,9 +64,9 @@ __all__ = [
     "prometheus_available",
 ]
 
-ENV_PORT = "PEER_ELASTIC_METRICS_PORT"
-ENV_ADDR = "PEER_ELASTIC_METRICS_ADDR"
-DEFAULT_ADDR = "127.0.0.1"
+ENV_PORT = METRICS_PORT.env
+ENV_ADDR = METRICS_ADDR.env
+DEFAULT_ADDR: str = METRICS_ADDR.default
 
 #: Every value the ``reason`` label of ``peer_elastic_resets_total`` can take. Member ids
 #: never become labels: they would make the number of series grow without bound.
@@ -87,11 +87,6 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 #: prometheus_client's start_http_server returns (server, thread) from this version on;
 #: before it returned None, so port 0 cannot be read back and is picked beforehand.
 _RETURNS_SERVER_SINCE = (0, 20)
-
-
-def _env(name: str, env: Mapping[str, str] | None = None) -> str:
-    """``env[name]`` (default: the process environment), stripped; "" when unset."""
-    return ((os.environ if env is None else env).get(name) or "").strip()
 
 
 def prometheus_available() -> bool:
@@ -345,7 +340,7 @@ class PeerMetrics:
         run``) sharing one environment get distinct, predictable ports. When the port
         cannot be bound, training goes on without metrics (logged as an error).
         """
-        raw = _env("PEER_ELASTIC_METRICS_PORT", env)
+        raw = METRICS_PORT.raw(env)
         if not raw:
             return NoopMetrics()
         try:
@@ -358,7 +353,7 @@ class PeerMetrics:
             port += local_rank
             if port > 65535:
                 raise ConfigError(f"{ENV_PORT}={raw} + local rank {local_rank} is past 65535")
-        addr = _env("PEER_ELASTIC_METRICS_ADDR", env) or DEFAULT_ADDR
+        addr = METRICS_ADDR.raw(env) or DEFAULT_ADDR
         metrics = cls.create()
         if not metrics.enabled:
             return metrics
@@ -455,7 +450,7 @@ class PeerMetrics:
             actual = bind_port
         self.port = actual
         if addr in _WILDCARDS:
-            host = host_name or os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname()
+            host = host_name or HOST.raw() or socket.gethostname()
         else:
             host = addr
         self.address = _host_port(host, actual)

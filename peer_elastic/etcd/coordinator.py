@@ -74,6 +74,7 @@ from peer_elastic.records import (
     encode,
     valid_name,
 )
+from peer_elastic.settings_table import HOST
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Assignment:
 
 
 def default_host() -> str:
-    host = os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname() or "localhost"
+    host = HOST.raw() or socket.gethostname() or "localhost"
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in host)[:64]
     return host if valid_name(host) else "host"
 
