@@ -38,7 +38,6 @@ from peer_elastic import logs
 from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
-    InternalError,
     LeaveRequested,
     PeerElasticError,
 )
@@ -229,8 +228,8 @@ class Peer:
 
     def _on_collective_failure(self, state: Any, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
-        err = InternalError(f"collective failed in generation {self.generation}: {exc}")
-        log.warning("%s; restoring the last commit", err)
+        log.warning("collective failed in generation %d: %s; restoring the last commit",
+                    self.generation, exc)
         self._restore(state)
         try:
             self.coordinator.mark_broken(self.generation, str(exc)[:300])
@@ -386,11 +385,11 @@ class _Publisher:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+            self._thread = threading.Thread(target=self._publish_loop, name="publisher", daemon=True)
             self._thread.start()
         self._cv.notify()
 
-    def _run(self) -> None:
+    def _publish_loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._latest is not None or self._events

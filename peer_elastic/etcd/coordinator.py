@@ -189,7 +189,7 @@ class Coordinator:
             self._shutdown_threads()
             raise
         self._thread = threading.Thread(
-            target=self._run, name=f"coordinator:{self.member_id}", daemon=True
+            target=self._coordination_loop, name=f"coordinator:{self.member_id}", daemon=True
         )
         self._thread.start()
         return self
@@ -558,7 +558,7 @@ class Coordinator:
 
     # -- the coordination thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _coordination_loop(self) -> None:
         version = -1
         wake_at: float | None = None
         while not self._stop.is_set():

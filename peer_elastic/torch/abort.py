@@ -206,7 +206,7 @@ class HangWatchdog(Generic[G]):
 
     def start(self) -> HangWatchdog[G]:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread = threading.Thread(target=self._watch_loop, name="hang-watchdog", daemon=True)
             self._thread.start()
         return self
 
@@ -216,7 +216,7 @@ class HangWatchdog(Generic[G]):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _watch_loop(self) -> None:
         version = -1
         seen: G | None = None
         while not self._stop.is_set():
