@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peer_elastic.etcd_server import EtcdCluster  # noqa: E402
+from peer_elastic.testing import EtcdCluster  # noqa: E402
 from tests.helpers.chaos import ChaosFailure, events_from_env, run_chaos, seed_from_env  # noqa: E402
 from tests.helpers.schedules import fresh_seeds, make_plan, run_plan  # noqa: E402
 

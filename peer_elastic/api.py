@@ -1,30 +1,9 @@
 """The public entry points: :func:`join` and :func:`run`.
 
 Every argument of :func:`join` can come from the environment instead, so identical peers
-started by systemd or a scheduler need none:
-
-=========================  ============================================================
-``PEER_ELASTIC_JOB``        job name
-``PEER_ELASTIC_ETCD``       etcd endpoints, comma-separated (``host:port`` or URLs)
-``PEER_ELASTIC_ETCD_CA``    CA bundle for https endpoints; ``..._CERT`` / ``..._KEY``
-                            for client-certificate auth
-``PEER_ELASTIC_ETCD_USER``  etcd user (``PEER_ELASTIC_ETCD_PASSWORD`` its password)
-``PEER_ELASTIC_MIN_NP`` ..  every job setting; see :data:`peer_elastic.config.JOB_FIELDS`
-``PEER_ELASTIC_HANG_TIMEOUT``  job setting ``hang_timeout_s`` (default 30; 0 = off): a
-                            training thread stuck this long in its own code makes its peer
-                            dump its stacks, leave and exit 5 (:data:`EXIT_HUNG`)
-``PEER_ELASTIC_BACKEND``    ``auto`` (nccl with CUDA, else gloo), ``gloo`` or ``nccl``
-``PEER_ELASTIC_COLLECTIVE_TIMEOUT``  seconds before a stuck collective fails (default 30)
-``PEER_ELASTIC_ABANDON_COLLECTIVES``  ``1`` (default): a collective stuck on a peer whose
-                            lease is gone fails after ``join_timeout_s``; ``0``: it waits
-                            for the collective timeout
-``PEER_ELASTIC_HOST``       host name this peer reports (default: the machine's)
-``PEER_ELASTIC_LOCAL_RANK`` this peer's slot on its host (with nccl: its GPU)
-``PEER_ELASTIC_LOG_LEVEL``  WARNING (default), INFO or DEBUG
-``PEER_ELASTIC_METRICS_PORT``  serve Prometheus metrics on this port + local rank (0: any
-                            free port; unset: off); see :mod:`peer_elastic.metrics`
-``PEER_ELASTIC_METRICS_ADDR``  the metrics listen address (default 127.0.0.1)
-=========================  ============================================================
+started by systemd or a scheduler need none. The variables, their defaults and meanings are
+listed in :func:`join`'s docstring, generated from the one table of them,
+:mod:`peer_elastic.settings_table`.
 """
 
 from __future__ import annotations
@@ -32,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -40,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from peer_elastic import logs
+from peer_elastic import settings_table as env
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
 from peer_elastic.errors import (
@@ -49,10 +28,10 @@ from peer_elastic.errors import (
     PeerElasticError,
     ResetLimitExceeded,
 )
-from peer_elastic.etcd.client import ENV_ENDPOINTS, EtcdClient, client_from_env
+from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
-from peer_elastic.metrics import PeerMetrics
+from peer_elastic.metrics import NoopMetrics, PeerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +48,10 @@ __all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join", "r
 _active: Peer | None = None
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = _env(name)
-    if value is None:
-        return default
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={value!r}: expected 1 or 0")
-
-
 def connect(etcd: str | None = None) -> EtcdClient:
     """An etcd client from ``etcd`` or ``PEER_ELASTIC_ETCD`` (plus TLS/auth variables)."""
-    if not (etcd or _env(ENV_ENDPOINTS)):
-        raise ConfigError(f"no etcd endpoints: pass etcd='host:port' or set {ENV_ENDPOINTS}")
+    if not (etcd or env.ETCD.raw()):
+        raise ConfigError(f"no etcd endpoints: pass etcd='host:port' or set {env.ETCD.env}")
     return client_from_env(etcd)
 
 
@@ -120,15 +83,18 @@ def join(
     later instead of at the collective timeout. With ``handle_sigterm`` (and when called
     from the main thread) SIGTERM drains this peer: the others reset at their next check
     without rolling back, and this one exits 0 once they re-formed.
+
+    An argument left out is read from its environment variable:
+
+    {variables}
     """
     global _active
-    job = job or _env("PEER_ELASTIC_JOB")
+    job = job or env.JOB.raw()
     if not job:
-        raise ConfigError("no job name: pass job='name' or set PEER_ELASTIC_JOB")
+        raise ConfigError(f"no job name: pass job='name' or set {env.JOB.env}")
     logs.setup()
     job_settings = JobSettings.from_env(min_np=min_np, max_np=max_np, **settings)
-    local_rank = int(_env("PEER_ELASTIC_LOCAL_RANK", "0") or 0)
-    chosen_backend = backend or _env("PEER_ELASTIC_BACKEND", "auto") or "auto"
+    local_rank: int = env.LOCAL_RANK.value()
     client = connect(etcd)
     # Before the Coordinator: the member record publishes where to scrape (its address).
     metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
@@ -143,22 +109,8 @@ def join(
     try:
         coord.start()
         logs.set_context(member=coord.member_id)
-        peer = Peer(
-            coord,
-            backend=chosen_backend,
-            collective_timeout_s=collective_timeout_s
-            or float(_env("PEER_ELASTIC_COLLECTIVE_TIMEOUT", "30") or 30),
-            metrics=metrics,
-            abandon_hung_collectives=abandon_hung_collectives
-            if abandon_hung_collectives is not None
-            else _env_flag("PEER_ELASTIC_ABANDON_COLLECTIVES", True),
-        )
-        if peer.groups.backend == "nccl":
-            import torch
-
-            # One GPU per local slot: PEER_ELASTIC_LOCAL_RANK (peer-elastic run and the
-            # systemd unit set it) picks the device before any collective runs.
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
+                          abandon_hung_collectives)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             previous_handler = signal.signal(signal.SIGTERM, _leave_on_signal(coord))
         _active = peer
@@ -181,6 +133,33 @@ def join(
         coord.close(leave=True)
         client.close()
         metrics.close()
+
+
+if join.__doc__:  # None under python -OO
+    join.__doc__ = join.__doc__.replace(
+        "{variables}", env.doc_table().replace("\n", "\n    "))
+
+
+def _make_peer(coord: Coordinator, metrics: PeerMetrics | NoopMetrics, local_rank: int,
+               backend: str | None, collective_timeout_s: float | None,
+               abandon_hung_collectives: bool | None) -> Peer:
+    """The :class:`Peer` of ``coord``, with what :func:`join` did not set read from the
+    environment; with nccl, its GPU chosen by the local rank."""
+    peer = Peer(
+        coord,
+        backend=backend or env.BACKEND.value(),
+        collective_timeout_s=collective_timeout_s or env.COLLECTIVE_TIMEOUT.value(),
+        metrics=metrics,
+        abandon_hung_collectives=abandon_hung_collectives
+        if abandon_hung_collectives is not None else env.ABANDON_COLLECTIVES.value(),
+    )
+    if peer.groups.backend == "nccl":
+        import torch
+
+        # One GPU per local slot: PEER_ELASTIC_LOCAL_RANK (peer-elastic run and the
+        # systemd unit set it) picks the device before any collective runs.
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return peer
 
 
 def _leave_on_signal(coord: Coordinator) -> Callable[[int, Any], None]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerElasticError
+from peer_elastic.settings_table import ETCD, JOB, LOCAL_RANK
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -33,10 +34,8 @@ def _setting_flags(p: argparse.ArgumentParser) -> None:
 
 def _job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """--etcd / --job / --timeout: how every command that talks to a job finds it."""
-    p.add_argument("--etcd", default=os.environ.get("PEER_ELASTIC_ETCD"),
-                   help="etcd endpoints [PEER_ELASTIC_ETCD]")
-    p.add_argument("--job", default=os.environ.get("PEER_ELASTIC_JOB"),
-                   help="job name [PEER_ELASTIC_JOB]")
+    p.add_argument("--etcd", default=ETCD.raw(), help=f"etcd endpoints [{ETCD.env}]")
+    p.add_argument("--job", default=JOB.raw(), help=f"job name [{JOB.env}]")
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to keep trying to reach etcd (default 5)")
     return p
@@ -139,7 +138,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run: -n must be at least 1")
     job = args.job or f"job-{os.getpid()}-{int(time.time())}"
     env = dict(os.environ)
-    env["PEER_ELASTIC_JOB"] = job
+    env[JOB.env] = job
     for f in JOB_FIELDS:
         value = getattr(args, f.name)
         if value is not None:
@@ -149,10 +148,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from peer_elastic.etcd_server import EtcdServer
 
         server = EtcdServer().start()
-        env["PEER_ELASTIC_ETCD"] = server.endpoint
+        env[ETCD.env] = server.endpoint
         print(f"peer-elastic: embedded etcd at {server.endpoint}, job {job}", file=sys.stderr)
     else:
-        env["PEER_ELASTIC_ETCD"] = args.etcd
+        env[ETCD.env] = args.etcd
     try:
         return _run_peers(cmd, args.nproc, env)
     finally:
@@ -175,7 +174,7 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
     old_term = signal.signal(signal.SIGTERM, forward)
     try:
         for i in range(n):
-            penv = dict(env, PEER_ELASTIC_LOCAL_RANK=str(i))
+            penv = dict(env, **{LOCAL_RANK.env: str(i)})
             procs.append(subprocess.Popen(cmd, env=penv))
         codes = [p.wait() for p in procs]
     finally:

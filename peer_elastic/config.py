@@ -16,49 +16,14 @@ from typing import Any
 
 from peer_elastic.errors import ConfigError
 from peer_elastic.records import JobConfig
+from peer_elastic.settings_table import JOB_SETTINGS, EnvVar
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Field:
-    name: str
-    env: str
-    kind: type
-    default: Any
-    help: str
-
-
-#: Every job setting, its environment variable and default. The README's configuration
-#: reference is generated from this table.
-JOB_FIELDS: tuple[_Field, ...] = (
-    _Field("min_np", "PEER_ELASTIC_MIN_NP", int, 1,
-           "fewest peers a generation may have; below it peers wait (elastic timeout)"),
-    _Field("max_np", "PEER_ELASTIC_MAX_NP", int, 0,
-           "most peers in a generation; later ones are standbys (0 = unlimited)"),
-    _Field("lease_ttl_s", "PEER_ELASTIC_LEASE_TTL", float, 5.0,
-           "member lease TTL: a peer cut off from etcd for this long stops and rejoins"),
-    _Field("join_timeout_s", "PEER_ELASTIC_JOIN_TIMEOUT", float, 1.0,
-           "a roster member that does not acknowledge a new generation within this is dropped "
-           "(this bounds crash recovery)"),
-    _Field("elastic_timeout_s", "PEER_ELASTIC_ELASTIC_TIMEOUT", float, 600.0,
-           "how long peers wait while fewer than min_np are available before failing"),
-    _Field("reset_limit", "PEER_ELASTIC_RESET_LIMIT", int, 0,
-           "fail the job after this many resets (0 = unlimited)"),
-    _Field("blacklist_after", "PEER_ELASTIC_BLACKLIST_AFTER", int, 0,
-           "exclude a host after this many member failures on it (0 = never)"),
-    _Field("blacklist_cooldown_s", "PEER_ELASTIC_BLACKLIST_COOLDOWN", float, 300.0,
-           "how long a blacklisted host stays excluded"),
-    _Field("settle_s", "PEER_ELASTIC_SETTLE", float, 0.05,
-           "quiet time after a join or leave before a new generation is written (batches bursts)"),
-    _Field("start_settle_s", "PEER_ELASTIC_START_SETTLE", float, 1.0,
-           "quiet time before the first generation, unless max_np peers are already there"),
-    _Field("run_ttl_s", "PEER_ELASTIC_RUN_TTL", float, 60.0,
-           "how long a run's keys (and its done record) outlive its last peer"),
-    _Field("hang_timeout_s", "PEER_ELASTIC_HANG_TIMEOUT", float, 30.0,
-           "a peer whose training thread spends this long in its own code without reaching "
-           "a step (outside collectives) dumps its stacks, leaves and exits 5 (0 = off)"),
-)
+#: Every job setting, its environment variable and default: the job rows of the one table of
+#: environment variables (:mod:`peer_elastic.settings_table`).
+JOB_FIELDS: tuple[EnvVar, ...] = JOB_SETTINGS
 _BY_NAME = {f.name: f for f in JOB_FIELDS}
 
 

@@ -38,12 +38,13 @@ from peer_elastic import logs
 from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
-    InternalError,
     LeaveRequested,
     PeerElasticError,
 )
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
+from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
@@ -63,24 +64,18 @@ class Peer:
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
-        metrics: Any = None,
+        metrics: StepObserver | None = None,
         abandon_hung_collectives: bool = True,
     ) -> None:
         self.coordinator = coordinator
-        self.groups = GroupManager(coordinator, backend, collective_timeout_s, rendezvous_timeout_s)
+        self.stats = PeerStats()  # what the parts below report (collectives abandoned, ...)
+        self.groups = GroupManager(coordinator, backend, collective_timeout_s,
+                                   rendezvous_timeout_s, stats=self.stats)
         # Frees this peer from a collective stuck on a peer whose lease is gone, after giving
         # the training thread join_timeout to leave the group by itself.
-        self._watchdog: HangWatchdog | None = None
+        self._watchdog: HangWatchdog[FormedGroup] | None = None
         if abandon_hung_collectives:
-            groups = self.groups
-            self._watchdog = HangWatchdog(
-                current=lambda: groups.current,
-                lost_peer=groups.lost_peer,  # type: ignore[arg-type]
-                abort=groups.abandon,  # type: ignore[arg-type]
-                wait_change=coordinator.view.wait_change,
-                wake=coordinator.view.wake,
-                grace_s=lambda: float(coordinator.config.join_timeout_s or 1.0),
-            )
+            self._watchdog = HangWatchdog(self.groups, coordinator.view)
         # Training-thread liveness (peer_elastic.liveness): a training thread stuck in its own
         # code for hang_timeout_s makes this peer dump its stacks, fence itself and exit.
         self._liveness = TrainingWatch(coordinator, lambda: self.generation)
@@ -98,10 +93,11 @@ class Peer:
         self.reset_log: list[dict[str, Any]] = []
         self._pending_timing: dict[str, Any] | None = None
         self._progress = _Publisher(coordinator)
-        # peer_elastic.metrics.PeerMetrics, or None when off: every hook is one `is None` test.
-        self.metrics = metrics if metrics is not None and metrics.enabled else None
-        if self.metrics is not None:
-            self.metrics.bind(self)
+        # peer_elastic.metrics.PeerMetrics, or None when off (a NoopMetrics is falsy): then
+        # nothing wraps the per-step check, and the other hooks go to a NoObserver.
+        self.metrics = metrics if metrics else None
+        self._observer: StepObserver = self.metrics or NoObserver()
+        self._observer.bind(self)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -166,7 +162,7 @@ class Peer:
         snap = coord.snapshot()
         newest = snap.generation
         want = newest.number if newest is not None else current
-        if coord.incarnation != self._incarnation or coord.error or snap.done is not None:
+        if stop_reason(coord, group, snap, causes=RESET_NOW) is not None:
             # Lease lost (we must not go on in this group), a fatal error, or the job ended
             # (e.g. reset limit): everyone stops at this call and the reset path reports it.
             want = max(want, current + 1)
@@ -197,10 +193,8 @@ class Peer:
         when the job failed).
         """
         self._state = state
-        if self.metrics is None:
-            state.attach(self._check)
-        else:  # the same checker, timed; state.commit() timed too
-            self.metrics.instrument(state, self._check)
+        # commit() and check_host_updates() go through _check; timed when observed.
+        state.attach(self._check if self.metrics is None else observed(self._check, self._observer))
         if self._watchdog is not None:
             self._watchdog.start()
         self._liveness.start()
@@ -231,13 +225,11 @@ class Peer:
         finally:
             state.attach(None)
             self._state = None
-            if self.metrics is not None:
-                self.metrics.uninstrument(state)
 
     def _on_collective_failure(self, state: Any, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
-        err = InternalError(f"collective failed in generation {self.generation}: {exc}")
-        log.warning("%s; restoring the last commit", err)
+        log.warning("collective failed in generation %d: %s; restoring the last commit",
+                    self.generation, exc)
         self._restore(state)
         try:
             self.coordinator.mark_broken(self.generation, str(exc)[:300])
@@ -283,9 +275,9 @@ class Peer:
         logs.set_context(member=self.coordinator.member_id, rank=a.rank, generation=a.generation)
         self.reset_log.append({"generation": a.generation, "rank": a.rank, "size": a.size,
                                "seconds": took, "reason": a.reason})
-        if self.metrics is not None and not first:
-            self.metrics.record_reset(a.causes, took, crashed=restored,
-                                      lease_lost=self._incarnation != incarnation)
+        if not first:
+            self._observer.on_reset(a.causes, took, crashed=restored,
+                                    lease_lost=self._incarnation != incarnation)
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
 
     def _restore(self, state: Any) -> None:
@@ -301,8 +293,8 @@ class Peer:
         need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
         agreement = agree_and_sync(state, Claim(self._live, need), self.device)
-        if self.metrics is not None and agreement.source is not None:
-            self.metrics.observe_sync(time.perf_counter() - t0)
+        if agreement.source is not None:
+            self._observer.on_sync(time.perf_counter() - t0)
         self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
@@ -393,11 +385,11 @@ class _Publisher:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+            self._thread = threading.Thread(target=self._publish_loop, name="publisher", daemon=True)
             self._thread.start()
         self._cv.notify()
 
-    def _run(self) -> None:
+    def _publish_loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._latest is not None or self._events

@@ -105,5 +105,7 @@ class HostsUpdatedInterrupt(PeerElasticError):
         self.skip_sync = skip_sync
 
 
-class InternalError(PeerElasticError):
-    """A collective failed (a peer crashed or the group broke); state must be restored."""
+# There is no counterpart of Horovod's HorovodInternalError: a failed collective surfaces as
+# torch's own error (RuntimeError, DistError) inside the training function, and the run loop
+# (peer_elastic.elastic.Peer) recognises it, restores the last commit and re-forms. User code
+# never needs to catch one, so none is exported.

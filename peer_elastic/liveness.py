@@ -291,7 +291,7 @@ class HangMonitor:
 
     def start(self) -> HangMonitor:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hang-monitor", daemon=True)
+            self._thread = threading.Thread(target=self._monitor_loop, name="hang-monitor", daemon=True)
             self._thread.start()
         return self
 
@@ -300,7 +300,7 @@ class HangMonitor:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _monitor_loop(self) -> None:
         while not self._stop.is_set():
             try:
                 verdict = self._detector.poll()

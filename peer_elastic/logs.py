@@ -9,8 +9,9 @@ logging itself. Quiet by default (warnings and errors); ``PEER_ELASTIC_LOG_LEVEL
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from peer_elastic.settings_table import LOG_LEVEL
 
 _context = {"pe_member": "-", "pe_rank": "-", "pe_gen": "-"}
 
@@ -40,7 +41,7 @@ def set_context(member: str | None = None, rank: int | None = None,
 def setup(level: str | None = None) -> None:
     """Configure the ``peer_elastic`` logger once (idempotent)."""
     logger = logging.getLogger("peer_elastic")
-    level_name = (level or os.environ.get("PEER_ELASTIC_LOG_LEVEL") or "WARNING").upper()
+    level_name = (level or LOG_LEVEL.value()).upper()
     logger.setLevel(getattr(logging, level_name, logging.WARNING))
     if any(isinstance(f, ContextFilter) for f in logger.filters):
         return

@@ -13,7 +13,9 @@ in the peer's member record (``address``), which ``peer-elastic status`` reads.
 
 Without ``prometheus_client``, or with metrics off, :meth:`PeerMetrics.create` returns a
 :class:`NoopMetrics`, and :class:`~peer_elastic.elastic.Peer` keeps ``metrics = None``: the
-training hot path then runs exactly the code it runs without this module.
+training hot path then runs exactly the code it runs without this module. Both are
+step observers (:class:`~peer_elastic.observer.StepObserver`): the peer tells them about
+its checks, commits, syncs and resets; they never reach into the peer's state.
 
 What is measured (see ``docs/metrics.md``):
 
@@ -21,7 +23,8 @@ What is measured (see ``docs/metrics.md``):
   ``peer_elastic_world_size``, ``peer_elastic_rank`` (the group it last formed; -1 / 0 while
   a standby), ``peer_elastic_is_leader``, and from its watched view of etcd (no I/O)
   ``peer_elastic_latest_generation``, ``peer_elastic_members``, ``peer_elastic_min_np``,
-  ``peer_elastic_max_np``; ``Coordinator.stats`` as ``peer_elastic_coordinator_*_total``;
+  ``peer_elastic_max_np``; ``Coordinator.stats`` and ``Peer.stats`` as
+  ``peer_elastic_coordinator_*_total``;
 * ``peer_elastic_resets_total{reason}``: resets this peer went through (the first group it
   joins is not a reset, as for ``Peer.resets``), by a bounded set of reasons
   (:data:`REASONS`); ``peer_elastic_last_recovery_seconds``;
@@ -36,14 +39,16 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 import socket
-import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
+from peer_elastic.errors import ConfigError
 from peer_elastic.records import GenerationCause
+from peer_elastic.settings_table import HOST, METRICS_ADDR, METRICS_PORT
+
+if TYPE_CHECKING:
+    from peer_elastic.elastic import Peer
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +65,9 @@ __all__ = [
     "prometheus_available",
 ]
 
-ENV_PORT = "PEER_ELASTIC_METRICS_PORT"
-ENV_ADDR = "PEER_ELASTIC_METRICS_ADDR"
-DEFAULT_ADDR = "127.0.0.1"
+ENV_PORT = METRICS_PORT.env
+ENV_ADDR = METRICS_ADDR.env
+DEFAULT_ADDR: str = METRICS_ADDR.default
 
 #: Every value the ``reason`` label of ``peer_elastic_resets_total`` can take. Member ids
 #: never become labels: they would make the number of series grow without bound.
@@ -83,11 +88,6 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 #: prometheus_client's start_http_server returns (server, thread) from this version on;
 #: before it returned None, so port 0 cannot be read back and is picked beforehand.
 _RETURNS_SERVER_SINCE = (0, 20)
-
-
-def _env(name: str, env: Mapping[str, str] | None = None) -> str:
-    """``env[name]`` (default: the process environment), stripped; "" when unset."""
-    return ((os.environ if env is None else env).get(name) or "").strip()
 
 
 def prometheus_available() -> bool:
@@ -173,10 +173,10 @@ def _number(gen: Any) -> float:
 
 
 class _CoordinatorStats:
-    """``Coordinator.stats`` as counters, read at scrape time:
-    ``peer_elastic_coordinator_<name>_total`` (generations_written, cas_lost, rejoins,
-    dropped: what this peer's coordination thread did; collectives_abandoned: what its hang
-    watchdog did)."""
+    """``Coordinator.stats`` and the peer's :class:`~peer_elastic.observer.PeerStats` as
+    counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
+    (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
+    did; collectives_abandoned: what its hang watchdog did)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
@@ -187,15 +187,15 @@ class _CoordinatorStats:
                                  "a member's lease ended",
     }
 
-    def __init__(self, coord: Any) -> None:
-        self._coord = coord
+    def __init__(self, peer: Peer) -> None:
+        self._peer = peer
 
     def describe(self) -> list[Any]:
         return list(self._families({}))
 
     def collect(self) -> list[Any]:
         try:
-            stats = dict(self._coord.stats)
+            stats = dict(self._peer.coordinator.stats) | self._peer.stats.as_dict()
         except Exception:
             stats = {}
         return list(self._families(stats))
@@ -223,7 +223,7 @@ class NoopMetrics:
     def __bool__(self) -> bool:
         return False
 
-    def bind(self, peer: Any) -> None:
+    def bind(self, peer: Peer) -> None:
         pass
 
     def record_reset(self, causes: Collection[int], seconds: float, *, crashed: bool = False,
@@ -239,10 +239,16 @@ class NoopMetrics:
     def observe_sync(self, seconds: float) -> None:
         pass
 
-    def instrument(self, state: Any, checker: Callable[..., None]) -> None:
-        state.attach(checker)
+    # -- StepObserver ---------------------------------------------------------------------------
 
-    def uninstrument(self, state: Any) -> None:
+    def on_check(self, seconds: float, *, committing: bool) -> None:
+        pass
+
+    def on_sync(self, seconds: float) -> None:
+        pass
+
+    def on_reset(self, causes: Collection[int], seconds: float, *, crashed: bool,
+                 lease_lost: bool) -> None:
         pass
 
     def start_http_server(self, port: int = 0, addr: str = DEFAULT_ADDR) -> int | None:
@@ -314,7 +320,7 @@ class PeerMetrics:
         self.address = ""
         self._server: Any = None
         self._thread: Any = None
-        self._peer: Any = None
+        self._peer: Peer | None = None
         self._stats: _CoordinatorStats | None = None
 
     # -- construction -----------------------------------------------------------------------------
@@ -342,7 +348,7 @@ class PeerMetrics:
         run``) sharing one environment get distinct, predictable ports. When the port
         cannot be bound, training goes on without metrics (logged as an error).
         """
-        raw = _env("PEER_ELASTIC_METRICS_PORT", env)
+        raw = METRICS_PORT.raw(env)
         if not raw:
             return NoopMetrics()
         try:
@@ -355,7 +361,7 @@ class PeerMetrics:
             port += local_rank
             if port > 65535:
                 raise ConfigError(f"{ENV_PORT}={raw} + local rank {local_rank} is past 65535")
-        addr = _env("PEER_ELASTIC_METRICS_ADDR", env) or DEFAULT_ADDR
+        addr = METRICS_ADDR.raw(env) or DEFAULT_ADDR
         metrics = cls.create()
         if not metrics.enabled:
             return metrics
@@ -371,28 +377,26 @@ class PeerMetrics:
 
     # -- the peer ---------------------------------------------------------------------------------
 
-    def bind(self, peer: Any) -> None:
+    def bind(self, peer: Peer) -> None:
         """Read the gauges from ``peer`` at every scrape (``generation``, ``size``, ``rank``,
-        ``is_leader`` and, when it has one, its coordinator's config)."""
+        ``is_leader``, its stats and its coordinator's view and config)."""
         self._peer = peer
         self.generation.set_function(_safe(lambda: peer.generation))
         self.world_size.set_function(_safe(lambda: peer.size))
         self.rank.set_function(_safe(lambda: peer.rank, -1.0))
         self.is_leader.set_function(_safe(lambda: peer.is_leader, 0.0))
-        coord = getattr(peer, "coordinator", None)
-        if coord is not None:
-            self.latest_generation.set_function(_safe(lambda: _number(coord.latest_generation)))
-            self.members.set_function(_safe(lambda: len(coord.snapshot().eligible())))
-            self.min_np.set_function(_safe(lambda: coord.config.min_np))
-            self.max_np.set_function(_safe(lambda: coord.config.max_np))
-            from peer_elastic import __version__
+        coord = peer.coordinator
+        self.latest_generation.set_function(_safe(lambda: _number(coord.latest_generation)))
+        self.members.set_function(_safe(lambda: len(coord.snapshot().eligible())))
+        self.min_np.set_function(_safe(lambda: coord.config.min_np))
+        self.max_np.set_function(_safe(lambda: coord.config.max_np))
+        from peer_elastic import __version__
 
-            self.info.info({"elastic_job": str(getattr(coord, "job", "")),
-                            "host": str(getattr(coord, "host", "")),
-                            "version": __version__})
-            if isinstance(getattr(coord, "stats", None), dict) and self._stats is None:
-                self._stats = _CoordinatorStats(coord)
-                self.registry.register(self._stats)
+        self.info.info({"elastic_job": str(coord.job), "host": str(coord.host),
+                        "version": __version__})
+        if self._stats is None:
+            self._stats = _CoordinatorStats(peer)
+            self.registry.register(self._stats)
 
     def record_reset(self, causes: Collection[int], seconds: float, *, crashed: bool = False,
                      lease_lost: bool = False) -> str:
@@ -411,48 +415,21 @@ class PeerMetrics:
     def observe_sync(self, seconds: float) -> None:
         self.sync_seconds.observe(seconds)
 
-    # -- timing a state's commit and check --------------------------------------------------------
+    # -- StepObserver (peer_elastic.observer): what the peer tells --------------------------------
 
-    def instrument(self, state: Any, checker: Callable[..., None]) -> None:
-        """Bind ``checker`` to ``state`` timed, and time ``state.commit()``.
+    def on_check(self, seconds: float, *, committing: bool) -> None:
+        """A check (``check_host_updates``, or the one inside ``commit()``) and, when
+        ``committing``, the commit it belongs to: both histograms."""
+        self.check_seconds.observe(seconds)
+        if committing:
+            self.commit_seconds.observe(seconds)
 
-        The check is timed in the bound checker (``state.check_host_updates()`` and the
-        check inside ``commit``). ``commit`` is timed by an instance attribute that shadows
-        the class's method for the duration of :meth:`Peer.run` (:meth:`uninstrument`
-        removes it); a state whose instances take no attributes is left untimed. A call
-        that ends in :class:`HostsUpdatedInterrupt` is observed (the check ran); one that
-        fails otherwise (a peer died mid-collective) is not.
-        """
-        state.attach(self._timed(checker, self.check_seconds))
-        if "commit" in getattr(state, "__dict__", {}):
-            return  # already shadowed (someone else's wrapper, or nested run): leave it
-        try:
-            object.__setattr__(state, "commit", self._timed(state.commit, self.commit_seconds))
-        except (AttributeError, TypeError):
-            log.debug("metrics: cannot time commit() of %s", type(state).__name__)
+    def on_sync(self, seconds: float) -> None:
+        self.sync_seconds.observe(seconds)
 
-    def uninstrument(self, state: Any) -> None:
-        d = getattr(state, "__dict__", None)
-        if d is not None and getattr(d.get("commit"), "_peer_elastic_timed", False):
-            del d["commit"]
-
-    @staticmethod
-    def _timed(func: Callable[..., None], hist: Any) -> Callable[..., None]:
-        clock = time.perf_counter
-        observe = hist.observe
-
-        def timed(*args: Any) -> None:
-            t0 = clock()
-            try:
-                func(*args)
-            except HostsUpdatedInterrupt:
-                observe(clock() - t0)
-                raise
-            observe(clock() - t0)
-
-        timed._peer_elastic_timed = True  # type: ignore[attr-defined]
-        timed.__wrapped__ = func  # type: ignore[attr-defined]
-        return timed
+    def on_reset(self, causes: Collection[int], seconds: float, *, crashed: bool,
+                 lease_lost: bool) -> None:
+        self.record_reset(causes, seconds, crashed=crashed, lease_lost=lease_lost)
 
     # -- serving ----------------------------------------------------------------------------------
 
@@ -482,7 +459,7 @@ class PeerMetrics:
             actual = bind_port
         self.port = actual
         if addr in _WILDCARDS:
-            host = host_name or os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname()
+            host = host_name or HOST.raw() or socket.gethostname()
         else:
             host = addr
         self.address = _host_port(host, actual)

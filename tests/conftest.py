@@ -34,12 +34,12 @@ except ImportError:  # running from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer_elastic.etcd_server import (
-    EtcdCluster,
     EtcdServer,
     check_health,
     find_etcd_binary,
     free_port,
 )
+from peer_elastic.testing import EtcdCluster
 
 pytest_plugins = ("pytester",)
 

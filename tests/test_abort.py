@@ -77,9 +77,11 @@ def test_cut_wakes_a_blocked_receive_on_both_ends_and_leaves_the_fd_open(listene
 
 
 class FakeGroups:
-    """A group slot and a lost-peer verdict the test controls; wakes like the job view."""
+    """A group slot and a lost-peer verdict the test controls (a WatchedGroups); wakes like
+    the job view (a Changes)."""
 
     def __init__(self) -> None:
+        self.grace = 1.0
         self.cond = threading.Condition()
         self.version = 0
         self.current: object | None = None
@@ -93,24 +95,34 @@ class FakeGroups:
             self.version += 1
             self.cond.notify_all()
 
-    def wait_change(self, version: int, timeout: float, until) -> int:  # noqa: ANN001
+    def wait_change(self, version: int, timeout: float, until=None) -> int:  # noqa: ANN001
         with self.cond:
-            self.cond.wait_for(lambda: self.version != version or until(), timeout)
+            self.cond.wait_for(
+                lambda: self.version != version or (until is not None and until()), timeout)
             return self.version
 
     def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()
 
-    def abort(self, group: object, why: str) -> None:
+    def current_group(self) -> object | None:
+        return self.current
+
+    def lost_peer(self, group: object) -> str | None:
+        return self.why
+
+    def grace_s(self) -> float:
+        return self.grace
+
+    def abandon(self, group: object, why: str) -> bool:
         with self.cond:
             self.aborted.append((group, why))
             self.cond.notify_all()
+        return True
 
-    def watchdog(self, grace: float) -> HangWatchdog:
-        return HangWatchdog(current=lambda: self.current, lost_peer=lambda g: self.why,
-                            abort=self.abort, wait_change=self.wait_change, wake=self.wake,
-                            grace_s=lambda: grace)
+    def watchdog(self, grace: float) -> HangWatchdog[object]:
+        self.grace = grace
+        return HangWatchdog(self, self)
 
 
 def test_watchdog_cuts_a_group_still_current_after_the_grace() -> None:

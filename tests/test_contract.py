@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from peer_elastic.etcd_server import EtcdCluster
+from peer_elastic.testing import EtcdCluster
 from tests.helpers.schedules import (
     Outcome,
     Pattern,

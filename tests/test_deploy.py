@@ -15,12 +15,13 @@
   the RBAC script from ``deploy/etcd`` is applied and peer-elastic registers as a
   prefix-restricted user.
 * **peer.env.example** may only set variables peer-elastic reads (or the unit's own
-  ``TRAIN_*`` variables), lists every one of them, and states the true defaults.
+  ``TRAIN_*`` variables), lists every one of them, and states the true defaults. "Reads"
+  means: in the one table of environment variables, :mod:`peer_elastic.settings_table`,
+  against which the README's configuration tables are checked too.
 """
 
 from __future__ import annotations
 
-import ast
 import datetime
 import functools
 import ipaddress
@@ -37,14 +38,16 @@ from typing import Any
 
 import pytest
 
-from peer_elastic.config import JOB_FIELDS, JobSettings
+from peer_elastic.config import JobSettings
 from peer_elastic.etcd.client import ENV_ENDPOINTS, parse_endpoints
+from peer_elastic.settings_table import ENV_VARS, LOCAL_RANK, Scope
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
 ETCD_DIR = DEPLOY / "etcd"
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
 PEER_UNIT = SYSTEMD / "peer-elastic@.service"
 ETCD_UNIT = SYSTEMD / "etcd-member.service"
 ENV_EXAMPLE = SYSTEMD / "peer.env.example"
@@ -266,11 +269,11 @@ def test_etcd_unit_semantics() -> None:
 _ASSIGNMENT = re.compile(r"^(#?)([A-Za-z_][A-Za-z0-9_]*)=(.*)$")  # "#NAME=" is commented out
 
 
-def env_example() -> tuple[dict[str, str], dict[str, str]]:
-    """(set, commented-out) assignments of peer.env.example."""
+def env_example(text: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """(set, commented-out) assignments of peer.env.example (or of ``text``)."""
     active: dict[str, str] = {}
     commented: dict[str, str] = {}
-    for line in ENV_EXAMPLE.read_text().splitlines():
+    for line in (ENV_EXAMPLE.read_text() if text is None else text).splitlines():
         m = _ASSIGNMENT.match(line.strip())
         if not m:
             continue
@@ -280,24 +283,28 @@ def env_example() -> tuple[dict[str, str], dict[str, str]]:
     return active, commented
 
 
+#: What a deployment sets: the job settings and the per-peer variables of the table.
+DEPLOYED = {v.env: v for v in ENV_VARS if v.scope in (Scope.JOB, Scope.PEER)}
+
+
 def env_vars_read_by_peer_elastic() -> set[str]:
-    """Every PEER_ELASTIC_* variable the package's code reads (found in its source)."""
-    names = {f.env for f in JOB_FIELDS} | {ENV_ENDPOINTS}
-    pattern = re.compile(
-        r"""(?:_env(?:_flag)?|environ\.get|getenv)\(\s*["'](PEER_ELASTIC_[A-Z0-9_]+)["']""")
-    for py in (ROOT / "peer_elastic").rglob("*.py"):
-        names |= set(pattern.findall(py.read_text()))
-    return names
+    """Every PEER_ELASTIC_* variable the package reads: the names in its one table."""
+    return {v.env for v in ENV_VARS}
 
 
-def env_vars_documented_by_api() -> set[str]:
-    """The variables listed in peer_elastic/api.py's docstring (read without importing torch)."""
-    tree = ast.parse((ROOT / "peer_elastic" / "api.py").read_text())
-    doc = ast.get_docstring(tree) or ""
-    names = set(re.findall(r"``(PEER_ELASTIC_[A-Z0-9_]+)``", doc))
-    # "``PEER_ELASTIC_ETCD_CA`` ... ``..._CERT`` / ``..._KEY``"
-    names |= {"PEER_ELASTIC_ETCD" + suffix for suffix in re.findall(r"``\.\.\.(_[A-Z]+)``", doc)}
-    return names
+def missing_from_env_example(text: str | None = None) -> set[str]:
+    """Deployment variables that peer.env.example (or ``text``) neither sets nor shows
+    commented out. PEER_ELASTIC_LOCAL_RANK comes from the unit itself (the instance %i)."""
+    active, commented = env_example(text)
+    return set(DEPLOYED) - {LOCAL_RANK.env} - set(active) - set(commented)
+
+
+def readme_configuration_variables(text: str | None = None) -> set[str]:
+    """The variables in the table rows of the README's *Configuration* section."""
+    readme = README.read_text() if text is None else text
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return set(re.findall(r"`(PEER_ELASTIC_[A-Z0-9_]+)`", "\n".join(rows)))
 
 
 def unit_exec_variables() -> set[str]:
@@ -323,14 +330,35 @@ def test_env_example_sets_only_variables_that_are_read() -> None:
 
 
 def test_env_example_covers_every_setting() -> None:
-    active, commented = env_example()
-    listed = set(active) | set(commented)
-    documented = env_vars_documented_by_api()
-    assert {"PEER_ELASTIC_ETCD_CERT", "PEER_ELASTIC_ETCD_KEY"} <= documented
-    # PEER_ELASTIC_LOCAL_RANK comes from the unit itself (the instance name %i).
-    for name in (documented | {f.env for f in JOB_FIELDS}) - {"PEER_ELASTIC_LOCAL_RANK"}:
-        assert name in listed, f"{name} (read by peer-elastic) is missing from peer.env.example"
-    assert documented <= env_vars_read_by_peer_elastic(), "api.py documents an unread variable"
+    assert missing_from_env_example() == set(), "missing from peer.env.example"
+    # The check catches a variable taken out of the file, set or commented out.
+    text = ENV_EXAMPLE.read_text()
+    for name in ("PEER_ELASTIC_METRICS_ADDR", "PEER_ELASTIC_ETCD_CA", "PEER_ELASTIC_MIN_NP"):
+        cut = "\n".join(line for line in text.splitlines() if f"{name}=" not in line)
+        assert missing_from_env_example(cut) == {name}
+
+
+def test_readme_configuration_lists_every_variable() -> None:
+    listed = readme_configuration_variables()
+    assert set(DEPLOYED) - listed == set(), "missing from the README's configuration tables"
+    assert listed <= env_vars_read_by_peer_elastic(), "the README lists an unread variable"
+    # The check catches a row taken out.
+    text = README.read_text()
+    cut = "\n".join(line for line in text.splitlines()
+                    if not line.startswith("| `PEER_ELASTIC_HOST`"))
+    assert set(DEPLOYED) - readme_configuration_variables(cut) == {"PEER_ELASTIC_HOST"}
+
+
+def test_join_docstring_lists_every_variable() -> None:
+    from peer_elastic.api import join
+
+    doc = join.__doc__ or ""
+    documented = set(re.findall(r"``(PEER_ELASTIC_[A-Z0-9_]+)``", doc))
+    assert documented == set(DEPLOYED)
+    for v in DEPLOYED.values():  # with its default
+        default = "unset" if v.default is None else (
+            ("1" if v.default else "0") if v.kind is bool else str(v.default))
+        assert f"``{v.env}``" in doc and f"default {default}:" in doc
 
 
 def test_env_example_values_are_valid_and_defaults_true() -> None:
@@ -343,12 +371,12 @@ def test_env_example_values_are_valid_and_defaults_true() -> None:
     assert all(e.host.endswith(".example.internal") for e in endpoints)
     assert active["PEER_ELASTIC_ETCD_CA"], "https endpoints need a CA"
     assert ("PEER_ELASTIC_ETCD_CERT" in active) == ("PEER_ELASTIC_ETCD_KEY" in active)
-    # A commented-out job setting states the real default.
-    by_env = {f.env: f for f in JOB_FIELDS}
+    # A commented-out setting states the real default (the table's).
     for name, value in commented.items():
-        if name in by_env:
-            f = by_env[name]
-            assert f.kind(value) == f.default, f"{name}: example says {value}, default {f.default}"
+        v = DEPLOYED.get(name)
+        if v is not None and v.default is not None:
+            assert v.value({name: value}) == v.default, (
+                f"{name}: example says {value}, default {v.default}")
     assert commented.get("PEER_ELASTIC_COLLECTIVE_TIMEOUT") == "30"  # api.py's default
     assert commented.get("PEER_ELASTIC_BACKEND") == "auto"
     assert commented.get("PEER_ELASTIC_ABANDON_COLLECTIVES") == "1"  # api.py's default

@@ -23,13 +23,13 @@ import pytest
 
 from peer_elastic.etcd_server import (
     ETCD_BINARY_ENV,
-    EtcdCluster,
     EtcdServer,
     EtcdStartError,
     check_health,
     find_etcd_binary,
     free_port,
 )
+from peer_elastic.testing import EtcdCluster, EtcdTestServer
 from tests.helpers.pki import write_pki
 
 T = TypeVar("T")
@@ -253,7 +253,7 @@ def first_ports_taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
     import peer_elastic.etcd_server as mod
 
-    real = mod._free_ports
+    real = mod.free_ports
     calls = {"n": 0}
 
     with socket.socket() as blocker:
@@ -268,7 +268,7 @@ def first_ports_taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
                 ports[-1] = taken  # the last member's peer port (or a lone server's)
             return ports
 
-        monkeypatch.setattr(mod, "_free_ports", flaky_free_ports)
+        monkeypatch.setattr(mod, "free_ports", flaky_free_ports)
         yield taken
 
 
@@ -334,7 +334,7 @@ def test_atexit_kills_forgotten_server(tmp_path: Path) -> None:
 
 def test_tls_with_client_cert_auth(tmp_path: Path) -> None:
     pki = write_pki(tmp_path)
-    srv = EtcdServer(
+    srv = EtcdTestServer(
         cert_file=pki["server_cert"],
         key_file=pki["server_key"],
         trusted_ca_file=pki["ca"],
@@ -367,7 +367,7 @@ def test_tls_with_client_cert_auth(tmp_path: Path) -> None:
 
 def test_tls_server_only(tmp_path: Path) -> None:
     pki = write_pki(tmp_path)
-    with EtcdServer(cert_file=pki["server_cert"], key_file=pki["server_key"]) as srv:
+    with EtcdTestServer(cert_file=pki["server_cert"], key_file=pki["server_key"]) as srv:
         assert srv.healthy()
         client = etcd3.client("127.0.0.1", srv.client_port, ca_cert=str(pki["ca"]), timeout=5)
         try:
@@ -379,7 +379,7 @@ def test_tls_server_only(tmp_path: Path) -> None:
 
 def test_client_cert_auth_without_health_cert_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="health_client_cert"):
-        EtcdServer(
+        EtcdTestServer(
             cert_file=tmp_path / "c",
             key_file=tmp_path / "k",
             trusted_ca_file=tmp_path / "ca",

@@ -21,6 +21,7 @@ import pytest
 from peer_elastic import metrics as pm
 from peer_elastic.elastic import Peer
 from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
+from peer_elastic.observer import PeerStats, observed
 from peer_elastic.records import GenerationCause
 from peer_elastic.state import ObjectState, TorchState
 
@@ -43,7 +44,7 @@ def fake_peer(**kw: Any) -> SimpleNamespace:
                             stats={"generations_written": 2, "cas_lost": 0, "rejoins": 1,
                                    "dropped": 0})
     values = {"generation": 3, "size": 2, "rank": 1, "is_leader": False,
-              "coordinator": coord}
+              "coordinator": coord, "stats": PeerStats()}
     values.update(kw)
     return SimpleNamespace(**values)
 
@@ -113,11 +114,12 @@ def test_without_prometheus_client_everything_is_a_noop(monkeypatch: pytest.Monk
     m.bind(fake_peer())
     assert m.record_reset([_C.GENERATION_CAUSE_LEFT], 1.0) == "left"
     m.observe_commit(1.0), m.observe_check(1.0), m.observe_sync(1.0)
+    m.on_check(1.0, committing=True), m.on_sync(1.0)
+    m.on_reset("left: x", 1.0, crashed=False, lease_lost=False)
     state = ObjectState(epoch=0)
     calls = []
-    m.instrument(state, lambda s, committing: calls.append(committing))
+    state.attach(observed(lambda s, committing: calls.append(committing), m))
     state.commit()
-    m.uninstrument(state)
     assert calls == [True] and "commit" not in vars(state)
     m.close()
 
@@ -162,12 +164,14 @@ def test_gauges_read_the_peer_live() -> None:
     assert sample(m, "peer_elastic_coordinator_generations_written_total") == 2
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 1
     assert sample(m, "peer_elastic_coordinator_dropped_total") == 0
+    assert sample(m, "peer_elastic_coordinator_collectives_abandoned_total") == 0
     assert sample(m, "peer_elastic_info", elastic_job="jobA", host="hostA",
                   version=__import__("peer_elastic").__version__) == 1
     peer.generation, peer.size, peer.rank, peer.is_leader = 4, 3, 0, True
     peer.coordinator.config.max_np = 8
     peer.coordinator.latest_generation = SimpleNamespace(number=5)  # a reset under way
     peer.coordinator.stats["rejoins"] += 1
+    peer.stats.collective_abandoned()
     assert sample(m, "peer_elastic_generation") == 4
     assert sample(m, "peer_elastic_world_size") == 3
     assert sample(m, "peer_elastic_rank") == 0
@@ -175,6 +179,7 @@ def test_gauges_read_the_peer_live() -> None:
     assert sample(m, "peer_elastic_max_np") == 8
     assert sample(m, "peer_elastic_latest_generation") == 5
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
+    assert sample(m, "peer_elastic_coordinator_collectives_abandoned_total") == 1
     m.bind(peer)  # binding again (a new run) registers nothing twice
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
     peer.generation, peer.size, peer.rank = 4, 0, -1  # standby
@@ -185,6 +190,7 @@ def test_gauges_read_the_peer_live() -> None:
 def test_a_gauge_that_cannot_be_read_does_not_break_the_scrape() -> None:
     class Flaky:
         generation, size, is_leader = 1, 1, False
+        coordinator, stats = fake_peer().coordinator, PeerStats()
 
         @property
         def rank(self) -> int:
@@ -247,7 +253,7 @@ def test_each_peer_has_its_own_registry() -> None:
 @needs_prom
 @pytest.mark.parametrize("make", [lambda: ObjectState(epoch=0),
                                   lambda: TorchState(model=None, optimizer=None, epoch=0)])
-def test_instrument_times_commit_and_check(make: Any) -> None:
+def test_observed_check_times_commit_and_check(make: Any) -> None:
     m = pm.PeerMetrics()
     state = make()
     outcome: list[BaseException | None] = [None]
@@ -258,7 +264,7 @@ def test_instrument_times_commit_and_check(make: Any) -> None:
         if committing:
             s.record_commit()
 
-    m.instrument(state, checker)
+    state.attach(observed(checker, m))  # as Peer.run attaches Peer._check with metrics on
     for _ in range(3):
         state.commit()
     state.check_host_updates()
@@ -275,33 +281,24 @@ def test_instrument_times_commit_and_check(make: Any) -> None:
         state.commit()
     assert sample(m, "peer_elastic_commit_seconds_count") == 4
     assert sample(m, "peer_elastic_check_seconds_count") == 5
-    m.uninstrument(state)
-    assert "commit" not in vars(state)
+    assert "commit" not in vars(state)  # nothing replaced on the state
     state.attach(None)
-    state.commit()  # the class's method again, untimed
+    state.commit()  # detached: untimed
     assert sample(m, "peer_elastic_commit_seconds_count") == 4
     if isinstance(state, ObjectState):
         assert "commit" not in state._names  # never became a state value
 
 
 @needs_prom
-def test_instrument_leaves_a_state_without_instance_attributes_untimed() -> None:
-    class Slotted:
-        __slots__ = ("_checker",)
-
-        def attach(self, checker: Any) -> None:
-            self._checker = checker
-
-        def commit(self) -> None:
-            self._checker(self, True)
-
+def test_step_observer_hooks_feed_the_metrics() -> None:
     m = pm.PeerMetrics()
-    s = Slotted()
-    m.instrument(s, lambda state, committing: None)
-    s.commit()
-    m.uninstrument(s)
-    assert sample(m, "peer_elastic_check_seconds_count") == 1
-    assert sample(m, "peer_elastic_commit_seconds_count") == 0
+    m.on_sync(0.5)
+    m.on_reset([GenerationCause.GENERATION_CAUSE_LEFT], 0.25, crashed=False, lease_lost=False)
+    m.on_reset([GenerationCause.GENERATION_CAUSE_LEFT], 0.5, crashed=True, lease_lost=False)
+    assert sample(m, "peer_elastic_sync_seconds_count") == 1
+    assert sample(m, "peer_elastic_resets_total", reason="left") == 1
+    assert sample(m, "peer_elastic_resets_total", reason="crash") == 1
+    assert sample(m, "peer_elastic_last_recovery_seconds") == 0.5
 
 
 # -- HTTP -------------------------------------------------------------------------------------------

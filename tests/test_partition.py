@@ -24,7 +24,7 @@ import pytest
 
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
-from peer_elastic.etcd_server import EtcdServer
+from peer_elastic.testing import EtcdTestServer
 from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
 from tests.helpers.procs import Cluster, PeerProc, results
 
@@ -66,14 +66,14 @@ def netns() -> Iterator[Netns]:
 
 
 @pytest.fixture
-def etcd_on_link(netns: Netns) -> Iterator[EtcdServer]:
+def etcd_on_link(netns: Netns) -> Iterator[EtcdTestServer]:
     """Our own etcd: on 127.0.0.1 for host peers, and on the etcd link for the namespace."""
-    with EtcdServer(name="partition", extra_client_hosts=[netns.etcd.host_ip]) as server:
+    with EtcdTestServer(name="partition", extra_client_hosts=[netns.etcd.host_ip]) as server:
         yield server
 
 
 @pytest.fixture
-def cluster(etcd_on_link: EtcdServer, unique_job: str) -> Iterator[Cluster]:
+def cluster(etcd_on_link: EtcdTestServer, unique_job: str) -> Iterator[Cluster]:
     c = Cluster(etcd_on_link.endpoint, unique_job, **SETTINGS)
     try:
         yield c
@@ -135,7 +135,7 @@ def wait_joined(p: PeerProc, after: int = 0, timeout: float = 90) -> tuple[str, 
     return wait_for(p, find, f"no 'joined job' line after line {after}", timeout)
 
 
-def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdServer) -> PeerProc:
+def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdTestServer) -> PeerProc:
     """An elastic worker inside the namespace: etcd over the etcd link, gloo over the other."""
     env = dict(cluster.env, PEER_ELASTIC_ETCD=f"http://{netns.etcd.host_ip}:{etcd.client_port}",
                GLOO_SOCKET_IFNAME=netns.gloo.ns_if, PEER_ELASTIC_HOST=netns.name)
@@ -148,7 +148,7 @@ def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdServer) -> PeerProc:
 
 @pytest.mark.parametrize("cut", ["leader", "follower"])
 def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
-    netns: Netns, etcd_on_link: EtcdServer, cluster: Cluster, cut: str
+    netns: Netns, etcd_on_link: EtcdTestServer, cluster: Cluster, cut: str
 ) -> None:
     t0 = time.monotonic()
     host_env = {"GLOO_SOCKET_IFNAME": netns.gloo.host_if}

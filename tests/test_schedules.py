@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from peer_elastic.etcd_server import EtcdCluster
+from peer_elastic.testing import EtcdCluster
 from tests.helpers.schedules import (
     events_from_env,
     fresh_seeds,

@@ -25,7 +25,7 @@ from peer_elastic.errors import ConfigError, EtcdTLSError, EtcdUnavailable
 from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.tls import TLSConfig, certificate_problem, connection_hint
-from peer_elastic.etcd_server import EtcdServer
+from peer_elastic.testing import EtcdTestServer
 from tests.helpers.pki import write_pki
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,8 +130,8 @@ def test_connection_hint_names_the_likely_mismatch() -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_etcd(pki: dict[str, Path]) -> Iterator[EtcdServer]:
-    srv = EtcdServer(cert_file=pki["server_cert"], key_file=pki["server_key"],
+def tls_etcd(pki: dict[str, Path]) -> Iterator[EtcdTestServer]:
+    srv = EtcdTestServer(cert_file=pki["server_cert"], key_file=pki["server_key"],
                      trusted_ca_file=pki["ca"], client_cert_auth=True,
                      health_client_cert=pki["client_cert"], health_client_key=pki["client_key"])
     srv.start(timeout=30)
@@ -141,7 +141,7 @@ def tls_etcd(pki: dict[str, Path]) -> Iterator[EtcdServer]:
         srv.stop()
 
 
-def test_a_valid_client_certificate_registers_a_member(tls_etcd: EtcdServer,
+def test_a_valid_client_certificate_registers_a_member(tls_etcd: EtcdTestServer,
                                                        pki: dict[str, Path],
                                                        unique_job: str) -> None:
     tls = _tls(pki["ca"], pki["client_cert"], pki["client_key"])
@@ -158,7 +158,7 @@ def test_a_valid_client_certificate_registers_a_member(tls_etcd: EtcdServer,
     ("key of another certificate", "the private key does not belong to the certificate"),
 ])
 def test_refused_credentials_fail_fast_and_say_what_to_fix(
-        case: str, verdict: str, tls_etcd: EtcdServer, pki: dict[str, Path],
+        case: str, verdict: str, tls_etcd: EtcdTestServer, pki: dict[str, Path],
         other_pki: dict[str, Path]) -> None:
     tls = {
         "no client certificate": _tls(pki["ca"]),
@@ -182,7 +182,7 @@ def test_refused_credentials_fail_fast_and_say_what_to_fix(
     assert took < budget, f"{case}: {took:.1f} s"
 
 
-def test_a_plaintext_client_of_a_tls_etcd_is_told_to_use_https(tls_etcd: EtcdServer) -> None:
+def test_a_plaintext_client_of_a_tls_etcd_is_told_to_use_https(tls_etcd: EtcdTestServer) -> None:
     with EtcdClient(f"127.0.0.1:{tls_etcd.client_port}", retry_budget_s=1.5) as client:
         with pytest.raises(EtcdUnavailable, match="if etcd serves TLS there, use https://"):
             client.get("/peer-elastic/x")
@@ -202,7 +202,7 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 60
     ("certificate without key", "PEER_ELASTIC_ETCD_KEY is not"),
 ])
 def test_cli_with_bad_credentials_exits_2_with_one_clear_line(
-        case: str, needle: str, tls_etcd: EtcdServer, pki: dict[str, Path]) -> None:
+        case: str, needle: str, tls_etcd: EtcdTestServer, pki: dict[str, Path]) -> None:
     env = {"PEER_ELASTIC_ETCD_CA": str(pki["ca"])}
     if case == "certificate without key":
         env["PEER_ELASTIC_ETCD_CERT"] = str(pki["client_cert"])

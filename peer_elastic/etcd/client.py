@@ -18,7 +18,6 @@ Nothing above this module imports ``etcd3`` or ``grpc``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +30,7 @@ import grpc
 import tenacity
 from etcd3 import etcdrpc
 
+from peer_elastic import settings_table
 from peer_elastic.errors import (
     ConfigError,
     EtcdAuthError,
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ENV_ENDPOINTS = "PEER_ELASTIC_ETCD"
+ENV_ENDPOINTS = settings_table.ETCD.env
 DEFAULT_PORT = 2379
 
 
@@ -344,7 +344,7 @@ class EtcdClient:
         secure = tls is not None or any(e.secure for e in self.endpoints)
         if secure and tls is None:
             raise EtcdError(
-                "an https:// etcd endpoint needs a CA certificate (set PEER_ELASTIC_ETCD_CA)"
+                f"an https:// etcd endpoint needs a CA certificate (set {CA_VAR})"
             )
         creds = None
         if tls is not None:
@@ -710,8 +710,8 @@ def _warn_plaintext_password(endpoints: str) -> None:
     log.warning(
         "etcd password auth over plaintext (%s): the password and the auth token cross the "
         "network unencrypted, so anyone who can see the traffic can act as this etcd user. "
-        "Use TLS: set PEER_ELASTIC_ETCD_CA (the CA of etcd's server certificate) so every "
-        "endpoint is https; see docs/security.md", endpoints)
+        "Use TLS: set %s (the CA of etcd's server certificate) so every endpoint is https; "
+        "see docs/security.md", endpoints, CA_VAR)
 
 
 class _Retry(Exception):
@@ -722,13 +722,12 @@ def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:
     """A client for ``endpoints`` (default ``PEER_ELASTIC_ETCD``) with TLS and auth from
     ``PEER_ELASTIC_ETCD_CA`` / ``_CERT`` / ``_KEY`` and ``PEER_ELASTIC_ETCD_USER`` /
     ``_PASSWORD``: what every peer and every CLI command uses."""
-    endpoints = endpoints or os.environ.get(ENV_ENDPOINTS)
+    endpoints = endpoints or settings_table.ETCD.raw()
     if not endpoints:
         raise EtcdError(f"no etcd endpoints: pass them or set {ENV_ENDPOINTS}")
-    # Literal names: tests/test_deploy.py finds the variables a peer reads by these calls.
-    ca = os.environ.get("PEER_ELASTIC_ETCD_CA") or None
-    cert = os.environ.get("PEER_ELASTIC_ETCD_CERT") or None
-    key = os.environ.get("PEER_ELASTIC_ETCD_KEY") or None
+    ca = settings_table.ETCD_CA.raw()
+    cert = settings_table.ETCD_CERT.raw()
+    key = settings_table.ETCD_KEY.raw()
     if ca is None and (cert or key):
         # Without a CA there is no TLS at all: the certificate would be silently unused and
         # the connection plaintext.
@@ -736,5 +735,5 @@ def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:
                           f"client certificate is only used over TLS, which needs {CA_VAR} "
                           "(the CA that signed etcd's certificate)")
     return EtcdClient(endpoints, tls=TLSConfig(ca, cert, key) if ca else None,
-                      user=os.environ.get("PEER_ELASTIC_ETCD_USER") or None,
-                      password=os.environ.get("PEER_ELASTIC_ETCD_PASSWORD") or None, **kwargs)
+                      user=settings_table.ETCD_USER.raw(),
+                      password=settings_table.ETCD_PASSWORD.raw(), **kwargs)

@@ -42,6 +42,7 @@ from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.lease import LeaseKeeper, Session
 from peer_elastic.etcd.registration import Identity, default_host, register
+from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.etcd.writer import AckKind, RunWriter
 from peer_elastic.records import (
@@ -125,8 +126,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0,
-                      "collectives_abandoned": 0}  # the last one counted by GroupManager
+        # What this coordination thread did (the training side counts in Peer.stats).
+        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
         self.leader = Leader(job, stats=self.stats)  # counts generations_written, cas_lost, dropped
 
     # -- start ------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class Coordinator:
             self._shutdown_threads()
             raise
         self._thread = threading.Thread(
-            target=self._run, name=f"coordinator:{self.member_id}", daemon=True
+            target=self._coordination_loop, name=f"coordinator:{self.member_id}", daemon=True
         )
         self._thread.start()
         return self
@@ -235,14 +236,17 @@ class Coordinator:
                           tuple(gen.causes))
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
-        """Raise whatever ends this peer's participation: done, fatal error."""
-        if self.error is not None:
-            raise self.error
+        """Raise whatever ends this peer's participation: fatal error, done, a drain that
+        took effect (decided by :func:`~peer_elastic.etcd.stop.stop_reason`)."""
         snap = snap or self.snapshot()
-        if snap.done is not None:
+        reason = stop_reason(self, None, snap, causes=LEAVE_JOB)
+        if reason is None:
+            return
+        if reason.cause is StopCause.FATAL and self.error is not None:
+            raise self.error
+        if reason.cause is StopCause.JOB_DONE and snap.done is not None:
             raise done_error(self.job, snap.done)
-        if self.drain_requested.is_set() and self.assignment(snap) is None:
-            raise LeaveRequested(f"member {self.member_id} left job {self.job!r} as requested")
+        raise LeaveRequested(reason.detail)
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -371,7 +375,7 @@ class Coordinator:
 
     # -- the coordination thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _coordination_loop(self) -> None:
         version = -1
         wake_at: float | None = None
         while not self._stop.is_set():

@@ -33,6 +33,7 @@ from peer_elastic.records import (
     encode,
     valid_name,
 )
+from peer_elastic.settings_table import HOST
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ ATTEMPTS = 20
 
 
 def default_host() -> str:
-    host = os.environ.get("PEER_ELASTIC_HOST") or socket.gethostname() or "localhost"
+    host = HOST.raw() or socket.gethostname() or "localhost"
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in host)[:64]
     return host if valid_name(host) else "host"
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peer_elastic.errors import ConfigError
+from peer_elastic.settings_table import ETCD_CA, ETCD_CERT, ETCD_KEY
 
-CA_VAR, CERT_VAR, KEY_VAR = "PEER_ELASTIC_ETCD_CA", "PEER_ELASTIC_ETCD_CERT", "PEER_ELASTIC_ETCD_KEY"
+CA_VAR, CERT_VAR, KEY_VAR = ETCD_CA.env, ETCD_CERT.env, ETCD_KEY.env
 
 
 @dataclass(frozen=True)

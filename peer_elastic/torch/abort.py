@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -156,39 +157,56 @@ def endpoint_matcher(endpoints: Iterable[tuple[str, int]]) -> Callable[[str, int
     return match
 
 
-class HangWatchdog:
+G = TypeVar("G")
+
+
+class WatchedGroups(Protocol[G]):
+    """The groups a :class:`HangWatchdog` watches (``GroupManager`` is one)."""
+
+    def current_group(self) -> G | None:
+        """The group this peer is in (None between groups)."""
+
+    def lost_peer(self, group: G) -> str | None:
+        """Why ``group`` can no longer complete a collective, or None while it can."""
+
+    def abandon(self, group: G, why: str) -> bool:
+        """Make ``group``'s pending and later collectives fail now."""
+
+    def grace_s(self) -> float:
+        """How long the training thread may take to leave such a group by itself."""
+
+
+class Changes(Protocol):
+    """Wake-ups on membership changes (the job view is one): ``wait_change`` returns on a
+    new version, when ``until()`` holds after a :meth:`wake`, or at ``timeout``."""
+
+    def wait_change(self, version: int, timeout: float,
+                    until: Callable[[], bool] | None = None) -> int: ...
+
+    def wake(self) -> None: ...
+
+
+class HangWatchdog(Generic[G]):
     """Frees this peer from a collective that waits on a peer whose lease is gone.
 
-    ``lost_peer()`` says why the current group cannot complete (or None while it can);
-    ``current()`` returns the group object this peer is in (None between groups); ``abort``
-    abandons a group's in-flight collectives. ``wait_change(version, timeout, until)`` is the
-    job view's wait, so the watchdog wakes on membership changes and on ``wake()``, which
+    It watches ``groups`` (:class:`WatchedGroups`): when the current group lost a peer and is
+    still current ``grace_s()`` later, it abandons the group's collectives. It waits on
+    ``changes`` (the job view), so it wakes on membership changes and on ``wake()``, which
     the group manager calls whenever its group changes; it never polls.
     """
 
-    def __init__(
-        self,
-        *,
-        current: Callable[[], object | None],
-        lost_peer: Callable[[object], str | None],
-        abort: Callable[[object, str], None],
-        wait_change: Callable[[int, float, Callable[[], bool]], int],
-        wake: Callable[[], None],
-        grace_s: Callable[[], float],
-    ) -> None:
-        self._current = current
-        self._lost_peer = lost_peer
-        self._abort = abort
-        self._wait_change = wait_change
-        self._wake = wake
-        self._grace_s = grace_s
+    def __init__(self, groups: WatchedGroups[G], changes: Changes) -> None:
+        self._groups = groups
+        self._current = groups.current_group
+        self._wait_change = changes.wait_change
+        self._wake = changes.wake
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.aborted = 0
 
-    def start(self) -> HangWatchdog:
+    def start(self) -> HangWatchdog[G]:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread = threading.Thread(target=self._watch_loop, name="hang-watchdog", daemon=True)
             self._thread.start()
         return self
 
@@ -198,12 +216,12 @@ class HangWatchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _watch_loop(self) -> None:
         version = -1
-        seen: object | None = None
+        seen: G | None = None
         while not self._stop.is_set():
             group = self._current()
-            why = self._lost_peer(group) if group is not None else None
+            why = self._groups.lost_peer(group) if group is not None else None
             if why is not None:
                 self._handle(group, why)
             seen = group
@@ -211,9 +229,9 @@ class HangWatchdog:
             version = self._wait_change(
                 version, 5.0, lambda s=seen: self._stop.is_set() or self._current() is not s)
 
-    def _handle(self, group: object, why: str) -> None:
+    def _handle(self, group: G, why: str) -> None:
         """Give the training thread the grace to leave ``group``; cut it if it did not."""
-        grace = self._grace_s()
+        grace = self._groups.grace_s()
         log.info("%s: the group is abandoned unless this peer leaves it within %.1f s",
                  why, grace)
         deadline = time.monotonic() + grace
@@ -222,7 +240,7 @@ class HangWatchdog:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.aborted += 1
-                self._abort(group, why)
+                self._groups.abandon(group, why)
                 break
             version = self._wait_change(
                 version, left, lambda: self._stop.is_set() or self._current() is not group)

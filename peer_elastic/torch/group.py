@@ -27,6 +27,14 @@ import torch.distributed as dist
 
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.etcd.stop import (
+    ABANDON_RENDEZVOUS,
+    CANNOT_COMPLETE,
+    GroupId,
+    StopCause,
+    stop_reason,
+)
+from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.store import EtcdStore
 
@@ -65,6 +73,14 @@ class FormedGroup:
     init_s: float  # init_process_group
     incarnation: int = 0  # the coordinator's registration this group was formed under
 
+    @property
+    def generation(self) -> int:
+        return self.assignment.generation
+
+    @property
+    def roster(self) -> tuple[str, ...]:
+        return self.assignment.roster
+
 
 class GroupManager:
     """Forms torch's default process group for each generation; see the module docstring."""
@@ -75,11 +91,14 @@ class GroupManager:
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
+        *,
+        stats: PeerStats | None = None,
     ) -> None:
         # gloo bounds its rendezvous waits by the group timeout (collective_timeout_s); the
         # store's own timeout bounds plain gets. Both end early when the generation is
         # superseded, through the store's abort check.
         self.coordinator = coordinator
+        self.stats = stats if stats is not None else PeerStats()
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
@@ -130,8 +149,9 @@ class GroupManager:
                 log.info("generation %d superseded before everyone acknowledged it", a.generation)
                 continue
             t1 = time.monotonic()
-            store = self._store = self._new_store(a.generation)
             incarnation = coord.incarnation
+            pending = GroupId(a.generation, a.roster, incarnation)
+            store = self._store = self._new_store(pending)
             try:
                 with GroupConnections.capture(exclude=self._is_etcd) as connections:
                     dist.init_process_group(
@@ -139,7 +159,7 @@ class GroupManager:
                         timeout=timedelta(seconds=self.collective_timeout_s),
                     )
             except Exception as exc:
-                reason = self._abort_reason(a.generation)
+                reason = self._abort_reason(pending)
                 log.info("forming generation %d failed (%s): %s", a.generation,
                          reason or "error", exc)
                 self.destroy()
@@ -159,28 +179,28 @@ class GroupManager:
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
 
+    # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
+
+    def current_group(self) -> FormedGroup | None:
+        """The group this peer is in now (None between groups)."""
+        return self.current
+
+    def grace_s(self) -> float:
+        """How long the training thread may take to leave a group that lost a peer."""
+        return float(self.coordinator.config.join_timeout_s or 1.0)
+
     def lost_peer(self, group: FormedGroup) -> str | None:
         """Why ``group`` can no longer complete a collective, or None while it can.
 
         A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
         did this peer if it re-registered since the group formed.
         """
-        coord = self.coordinator
         if group.assignment.size <= 1:
             return None  # alone: no collective can wait on anyone
-        if coord.error is not None:
-            return str(coord.error)
-        if coord.incarnation != group.incarnation:
-            return f"this peer lost its lease during generation {group.assignment.generation}"
-        snap = coord.snapshot()
-        if snap.done is not None:
+        reason = stop_reason(self.coordinator, group, causes=CANNOT_COMPLETE)
+        if reason is None or reason.cause is StopCause.JOB_DONE:
             return None  # finished: peers leave one by one, nothing is stuck
-        members = snap.members
-        gone = [m for m in group.assignment.roster if m not in members]
-        if gone:
-            return (f"{', '.join(gone)} of generation {group.assignment.generation} "
-                    f"lost {'its lease' if len(gone) == 1 else 'their leases'}")
-        return None
+        return reason.detail
 
     def abandon(self, group: FormedGroup, why: str) -> bool:
         """Make every pending and later collective of ``group`` fail now, on this rank and
@@ -204,33 +224,25 @@ class GroupManager:
                         "end at the collective timeout (%.0f s)", why, n,
                         self.collective_timeout_s)
             return False
-        self.coordinator.stats["collectives_abandoned"] += 1
+        self.stats.collective_abandoned()
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
 
-    def _new_store(self, generation: int) -> EtcdStore:
+    def _new_store(self, pending: GroupId) -> EtcdStore:
         coord = self.coordinator
         assert coord.keys is not None and coord.run is not None
         return EtcdStore(
             coord.client,
-            coord.keys.store_prefix(generation),
+            coord.keys.store_prefix(pending.generation),
             lease_id=coord.run.lease_id,
             timeout=timedelta(seconds=self.rendezvous_timeout_s),
-            abort=lambda: self._abort_reason(generation),
+            abort=lambda: self._abort_reason(pending),
         )
 
-    def _abort_reason(self, generation: int) -> str | None:
-        coord = self.coordinator
-        if coord.error is not None:
-            return str(coord.error)
-        snap = coord.snapshot()
-        if snap.done is not None:
-            return "the job finished"
-        if snap.generation_number != generation:
-            return f"generation {generation} was superseded by {snap.generation_number}"
-        if coord.member_id not in (snap.generation.roster if snap.generation else ()):
-            return "this peer is no longer in the roster"
-        return None
+    def _abort_reason(self, pending: GroupId) -> str | None:
+        """Why the rendezvous of ``pending`` should give up, or None while it may go on."""
+        reason = stop_reason(self.coordinator, pending, causes=ABANDON_RENDEZVOUS)
+        return None if reason is None else reason.detail
 
     def _mark_broken(self, generation: int, detail: str) -> None:
         try:

@@ -44,7 +44,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from peer_elastic.etcd_server import EtcdCluster, EtcdServer, EtcdStartError
+from peer_elastic.etcd_server import EtcdServer, EtcdStartError
+from peer_elastic.testing import EtcdCluster
 from tests.helpers.procs import Cluster, PeerProc
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"

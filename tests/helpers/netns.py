@@ -6,7 +6,7 @@
     pe<hex>g0  10.213.A.B+1/30  --- gloo link ---  pe<hex>g1  10.213.A.B+2/30
     pe<hex>e0  10.214.A.B+1/30  --- etcd link ---  pe<hex>e1  10.214.A.B+2/30
 
-etcd also listens on the host end of the etcd link (``EtcdServer(extra_client_hosts=...)``),
+etcd also listens on the host end of the etcd link (``EtcdTestServer(extra_client_hosts=...)`` from peer_elastic.testing),
 and a peer inside the namespace is given that address as its etcd endpoint. Training
 traffic goes over the gloo link only: every peer sets ``GLOO_SOCKET_IFNAME`` to its end of
 it (host peers: ``pe<hex>g0``; the namespace's peer: ``pe<hex>g1``). So :meth:`cut_etcd`

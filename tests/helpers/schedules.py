@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from peer_elastic.config import JOB_FIELDS
-from peer_elastic.etcd_server import EtcdCluster
+from peer_elastic.testing import EtcdCluster
 from tests.helpers.chaos import SETTINGS, Applied, ChaosFailure, ChaosRunner, Event, Tracked
 from tests.helpers.procs import ROOT
 
