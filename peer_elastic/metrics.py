@@ -44,6 +44,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from peer_elastic.errors import ConfigError
+from peer_elastic.observer import NoObserver
 from peer_elastic.records import GenerationCause
 from peer_elastic.settings_table import HOST, METRICS_ADDR, METRICS_PORT
 
@@ -209,7 +210,7 @@ class _CoordinatorStats:
                                       value=float(value) if isinstance(value, (int, float)) else 0.0)
 
 
-class NoopMetrics:
+class NoopMetrics(NoObserver):
     """What :meth:`PeerMetrics.create` returns when metrics are off or unavailable.
 
     Every method does nothing; :class:`~peer_elastic.elastic.Peer` stores ``None`` instead
@@ -222,9 +223,6 @@ class NoopMetrics:
 
     def __bool__(self) -> bool:
         return False
-
-    def bind(self, peer: Peer) -> None:
-        pass
 
     def record_reset(self, causes: Collection[int], seconds: float, *, crashed: bool = False,
                      lease_lost: bool = False) -> str:
@@ -239,17 +237,7 @@ class NoopMetrics:
     def observe_sync(self, seconds: float) -> None:
         pass
 
-    # -- StepObserver ---------------------------------------------------------------------------
-
-    def on_check(self, seconds: float, *, committing: bool) -> None:
-        pass
-
-    def on_sync(self, seconds: float) -> None:
-        pass
-
-    def on_reset(self, causes: Collection[int], seconds: float, *, crashed: bool,
-                 lease_lost: bool) -> None:
-        pass
+    # The StepObserver hooks (bind, on_check, on_sync, on_reset) are NoObserver's: nothing.
 
     def start_http_server(self, port: int = 0, addr: str = DEFAULT_ADDR) -> int | None:
         return None

@@ -644,6 +644,10 @@ class ChaosRunner:
         self.say(f"schedule done ({len(self.applied)} events); waiting for the job to finish "
                  f"(epoch {self.last_epoch} of {self.epochs})")
         self.wait_for("the job to finish (RESULT)", lambda: self.finished, timeout=timeout)
+        return self.wait_all_exited()
+
+    def wait_all_exited(self) -> dict[str, Any]:
+        """Once the job finished: every peer exits (bounded); rank 0's RESULT."""
         deadline = time.monotonic() + 120.0
         while any(p.proc.proc.poll() is None for p in self.peers):
             self.check()

@@ -420,16 +420,7 @@ class ScheduleRunner(ChaosRunner):
         for p in self.peers:
             if p.state == "hung" and p.proc.proc.poll() is None:
                 p.proc.kill()  # fenced but alive (the library may also exit it): ours to end
-        deadline = time.monotonic() + 120.0
-        while any(p.proc.proc.poll() is None for p in self.peers):
-            self.check()
-            if time.monotonic() > deadline:
-                self.fail("peers still running 120s after the job finished: " + ", ".join(
-                    p.name for p in self.peers if p.proc.proc.poll() is None))
-            time.sleep(0.1)
-        self.check()
-        self.say(f"job finished: {self.results[-1][1]}")
-        return self.results[-1][1]
+        return self.wait_all_exited()
 
     def verify(self, result: dict[str, Any]) -> list[str]:
         problems = super().verify(result) + self.problems
