@@ -114,3 +114,90 @@ def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+
+
+# --- in-process: the handler and the store, no torchrun -------------------------------------
+
+
+def _params(etcd: str, job: str, min_nodes: int, max_nodes: int, **conf):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(BACKEND, etcd, job, min_nodes, max_nodes,
+                                local_addr="127.0.0.1", **conf)
+
+
+def test_store_semantics(etcd: str, unique_job: str) -> None:
+    import datetime
+
+    from torch.distributed import DistStoreError
+
+    from peer_elastic.torchrun import EtcdV3Store
+
+    with EtcdClient(etcd) as client:
+        store = EtcdV3Store(client, run_prefix(unique_job) + "store/1/", lambda: None, 5.0)
+        store.set("a", "x")
+        assert store.get("a") == b"x"
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5 and store.get("n") == b"5"
+        assert store.compare_set("c", "", "v1") == b"v1"
+        assert store.compare_set("c", "wrong", "v2") == b"v1"
+        assert store.compare_set("c", "v1", "v2") == b"v2"
+        assert store.check(["a", "n"]) and not store.check(["a", "missing"])
+        assert store.multi_get(["a", "c"]) == [b"x", b"v2"]
+        t0 = time.monotonic()
+        with pytest.raises(DistStoreError):
+            store.wait(["missing"], datetime.timedelta(seconds=0.5))
+        assert time.monotonic() - t0 < 3
+        assert store.num_keys() == 3 and store.delete_key("a") and store.num_keys() == 2
+
+
+def test_rounds_rank_agents_by_age_and_admit_newcomers(etcd: str, unique_job: str) -> None:
+    import threading
+
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    conf = {"last_call_timeout": 1.0, "lease_ttl": 3}
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 3, **conf))
+                for _ in range(3)]
+    try:
+        infos: dict[int, object] = {}
+
+        def rdzv(i: int) -> None:
+            infos[i] = handlers[i].next_rendezvous()
+
+        first = threading.Thread(target=rdzv, args=(0,))
+        first.start()
+        time.sleep(0.5)  # handler 0 registers first: the oldest
+        second = threading.Thread(target=rdzv, args=(1,))
+        second.start()
+        first.join(30)
+        second.join(30)
+        assert (infos[0].rank, infos[0].world_size) == (0, 2)
+        assert (infos[1].rank, infos[1].world_size) == (1, 2)
+        assert infos[0].bootstrap_store_info.master_addr == "127.0.0.1"
+        assert infos[1].bootstrap_store_info == infos[0].bootstrap_store_info
+        # A newcomer waits; the running agents see it and re-rendezvous to admit it.
+        third = threading.Thread(target=rdzv, args=(2,))
+        third.start()
+        deadline = time.monotonic() + 20
+        while handlers[0].num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        threads = [threading.Thread(target=rdzv, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in [*threads, third]:
+            t.join(30)
+        assert sorted((infos[i].rank, infos[i].world_size) for i in range(3)) == \
+            [(0, 3), (1, 3), (2, 3)]
+        assert infos[0].rank == 0
+        assert handlers[0].num_nodes_waiting() == 0
+        # Closing ends every later rendezvous.
+        handlers[2].set_closed()
+        assert handlers[1].is_closed()
+        from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+        with pytest.raises(RendezvousClosedError):
+            handlers[1].next_rendezvous()
+    finally:
+        for h in handlers:
+            h.shutdown()
