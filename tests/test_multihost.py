@@ -181,3 +181,79 @@ def test_hosts_without_hints_train_through_kills_joins_sigterm_and_a_partition(
               f"schedule done after {time.monotonic() - t0:.1f} s")
     finally:
         job.close()
+
+
+@pytest.fixture
+def hosts6() -> Iterator[Hosts]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-host test: {reason}")
+    try:
+        hs = Hosts(3, ipv4=False).create()  # IPv6 only: gloo has no IPv4 address to fall to
+    except NetnsUnavailable as exc:
+        pytest.skip(f"multi-host test: {exc}")
+    try:
+        yield hs
+    finally:
+        hs.close()
+
+
+def test_ipv6_hosts_and_a_peer_at_an_unreachable_address_is_named(
+    hosts6: Hosts, unique_job: str, tmp_path: object
+) -> None:
+    """IPv6 only: two hosts train; a third forced onto ::1 (PEER_ELASTIC_ADDR) is named, with
+    the address and the fix, by itself and by the others, long before any gloo timeout."""
+    from peer_elastic.testing import EtcdTestServer
+
+    t0 = time.monotonic()
+    end_file = os.path.join(str(tmp_path), "end")
+    h1, h2, h3 = hosts6.hosts
+    with EtcdTestServer(name="mh6", extra_client_hosts=[hosts6.bridge_ip6]) as server:
+        job = Job.__new__(Job)
+        job.env = {k: v for k, v in os.environ.items() if k not in HINTS}
+        job.env.update({k: str(v) for k, v in SETTINGS.items()})
+        job.env.update(PEER_ELASTIC_ETCD=f"[{hosts6.bridge_ip6}]:{server.client_port}",
+                       PEER_ELASTIC_JOB=unique_job, PYTHONUNBUFFERED="1",
+                       WORKER_END_FILE=end_file)
+        job.peers = []
+        try:
+            a = job.start(h1)
+            wait_joined(a, timeout=60)
+            b = job.start(h2)
+            wait_gen(a, 2, timeout=90)
+            g = wait_gen(b, 2, timeout=30)[1]
+            wait_steps(a, 2, g)
+            with EtcdClient(server.endpoint) as client:
+                kvs, _ = client.get_prefix(job_prefix(unique_job))
+            recs = {r.host: r.net_address for r in (decode(MemberRecord, kv.value, kv.key)
+                                                    for kv in kvs if "/members/" in kv.key)}
+            assert recs == {h1.name: h1.ip6, h2.name: h2.ip6}, recs
+
+            # A misconfigured third peer: it names itself and exits; the others name it too,
+            # and go on training as a world of 2.
+            job.env["PEER_ELASTIC_ADDR"] = "::1"
+            mark = len(a.lines)
+            t_bad = time.monotonic()
+            c = job.start(h3)
+            assert c.wait(60) != 0, c.output()
+            t_named = time.monotonic() - t_bad
+            out = c.output()
+            assert "advertises the loopback address ::1" in out and "PEER_ELASTIC_ADDR" in out, out
+            assert t_named < SETTINGS["PEER_ELASTIC_COLLECTIVE_TIMEOUT"], t_named
+            del job.env["PEER_ELASTIC_ADDR"]
+            with a.cond:  # the others named it too, with its address and the fix
+                assert any("ERROR" in line and "host3" in line and "[::1]" in line
+                           and "PEER_ELASTIC_ADDR" in line for line in a.lines[mark:]), a.output()
+            g_after = wait_gen(a, 2, after=mark, timeout=60)[1]
+            wait_steps(a, 2, g_after)
+
+            with open(end_file, "w"):
+                pass
+            for p in (a, b):
+                assert p.wait(120) == 0, p.output()
+            found = results([a, b])
+            assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+            print(f"multi-host IPv6: misconfigured peer named in {t_named:.1f} s, "
+                  f"done after {time.monotonic() - t0:.1f} s")
+        finally:
+            job.close()

@@ -286,10 +286,10 @@ class GroupManager:
                                       generation=a.generation)
         deadline = time.monotonic() + self.collective_timeout_s
         while time.monotonic() < deadline:
-            if self._abort_reason(pending) is not None:
-                return False
-            self.coordinator.check()
             time.sleep(0.5)
+            if self._abort_reason(pending) is not None:
+                return False  # superseded (e.g. the unreachable member left): move on
+            self.coordinator.check()
             problems = self._unreachable(a)
             if not problems:
                 log.info("generation %d: every member is reachable now", a.generation)

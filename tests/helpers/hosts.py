@@ -58,11 +58,12 @@ class Host:
 class Hosts:
     """``n`` namespaces on one bridge; see the module docstring. A context manager."""
 
-    def __init__(self, n: int, ipv6: bool = True) -> None:
+    def __init__(self, n: int, ipv6: bool = True, ipv4: bool = True) -> None:
         self.tag = secrets.token_hex(3)
         self.bridge = f"pb{self.tag}"
         self.subnet = self._free_subnet()
         self.ipv6 = ipv6
+        self.ipv4 = ipv4
         self.bridge_ip4 = f"10.215.{self.subnet}.1"
         self.bridge_ip6 = f"fd15:{self.subnet:x}::1"
         self._dir = tempfile.mkdtemp(prefix="pe-hosts-")
@@ -98,7 +99,8 @@ class Hosts:
             if r.returncode != 0:
                 raise NetnsUnavailable(f"creating a bridge failed: {r.stderr.strip()}")
             self._created.append("br")
-            _run("ip", "addr", "add", f"{self.bridge_ip4}/24", "dev", self.bridge)
+            if self.ipv4:
+                _run("ip", "addr", "add", f"{self.bridge_ip4}/24", "dev", self.bridge)
             if self.ipv6:
                 _run("ip", "-6", "addr", "add", f"{self.bridge_ip6}/64", "dev", self.bridge,
                      "nodad")
@@ -117,7 +119,8 @@ class Hosts:
                 _run("ip", "link", "set", h.host_if, "up")
                 ns = ("ip", "netns", "exec", h.netns)
                 _run(*ns, "ip", "link", "set", "lo", "up")
-                _run(*ns, "ip", "addr", "add", f"{h.ip4}/24", "dev", h.ns_if)
+                if self.ipv4:
+                    _run(*ns, "ip", "addr", "add", f"{h.ip4}/24", "dev", h.ns_if)
                 if self.ipv6:
                     _run(*ns, "ip", "-6", "addr", "add", f"{h.ip6}/64", "dev", h.ns_if, "nodad")
                 _run(*ns, "ip", "link", "set", h.ns_if, "up")
@@ -130,7 +133,8 @@ class Hosts:
     def _wait_reachable(self, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         for h in self.hosts:
-            for ip in [self.bridge_ip4] + ([self.bridge_ip6] if self.ipv6 else []):
+            for ip in ([self.bridge_ip4] if self.ipv4 else []) + \
+                    ([self.bridge_ip6] if self.ipv6 else []):
                 while True:
                     r = _run("ip", "netns", "exec", h.netns, "ping", "-c", "1", "-W", "1", ip,
                              check=False) if shutil.which("ping") else self._py_probe(h, ip)
