@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from peer_elastic import logs
+from peer_elastic import logs, netaddr
 from peer_elastic import settings_table as env
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
@@ -32,6 +32,7 @@ from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import NoopMetrics, PeerMetrics
+from peer_elastic.netaddr import ProbeListener, select_address
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,26 @@ def join(
     client = connect(etcd)
     # Before the Coordinator: the member record publishes where to scrape (its address).
     metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
+    probe: ProbeListener | None = None
     try:
+        # Which address this peer's groups use (gloo's own pick can be 127.0.1.1), and a
+        # listener on it so that the others can check they reach it before forming a group.
+        net = select_address((e.host, e.port) for e in getattr(client, "endpoints", ()))
+        log.info("process groups use %s (%s%s)", net.address or "gloo's choice", net.how,
+                 f", interface {net.ifname}" if net.ifname else "")
+        if net.address:
+            try:
+                probe = ProbeListener(net.address)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {net.address}, the address chosen for "
+                                  f"this peer's process groups ({net.how}): {exc}; "
+                                  f"{netaddr.FIX}") from None
         coord = Coordinator(client, job, job_settings, host=host, labels=labels,
-                            local_rank=local_rank, address=metrics.address)
+                            local_rank=local_rank, address=metrics.address,
+                            net_address=net.address, probe_port=probe.port if probe else 0)
     except BaseException:
+        if probe is not None:
+            probe.close()
         metrics.close()
         raise
     peer: Peer | None = None
@@ -133,6 +150,8 @@ def join(
         coord.close(leave=True)
         client.close()
         metrics.close()
+        if probe is not None:
+            probe.close()
 
 
 if join.__doc__:  # None under python -OO

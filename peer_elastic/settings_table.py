@@ -150,6 +150,12 @@ ABANDON_COLLECTIVES = EnvVar("PEER_ELASTIC_ABANDON_COLLECTIVES", bool, True,
 HOST = EnvVar("PEER_ELASTIC_HOST", str, None,
               "the host name this peer reports (blacklisting, status); default: the machine's",
               name="host")
+NET_ADDR = EnvVar("PEER_ELASTIC_ADDR", str, None,
+                  "the IP address this peer's process groups use and advertise (one of this "
+                  "machine's); default: the one that routes to etcd")
+NET_IFNAME = EnvVar("PEER_ELASTIC_IFNAME", str, None,
+                    "the network interface this peer's process groups use (sets "
+                    "GLOO_SOCKET_IFNAME); default: the one that routes to etcd")
 LOG_LEVEL = EnvVar("PEER_ELASTIC_LOG_LEVEL", str, "WARNING",
                    "WARNING, INFO (every membership change and reset) or DEBUG")
 LOCAL_RANK = EnvVar("PEER_ELASTIC_LOCAL_RANK", int, 0,
@@ -173,7 +179,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     MIN_NP, MAX_NP, LEASE_TTL, JOIN_TIMEOUT, ELASTIC_TIMEOUT, RESET_LIMIT, BLACKLIST_AFTER,
     BLACKLIST_COOLDOWN, SETTLE, START_SETTLE, RUN_TTL, HANG_TIMEOUT,
     JOB, ETCD, ETCD_CA, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, BACKEND,
-    COLLECTIVE_TIMEOUT, ABANDON_COLLECTIVES, HOST, LOG_LEVEL, LOCAL_RANK, METRICS_PORT,
+    COLLECTIVE_TIMEOUT, ABANDON_COLLECTIVES, HOST, NET_ADDR, NET_IFNAME, LOG_LEVEL, LOCAL_RANK, METRICS_PORT,
     METRICS_ADDR,
     ETCD_BINARY,
 )

@@ -128,6 +128,7 @@ def status_document(job: str, snap: ViewSnapshot, now: float) -> dict[str, Any]:
         "id": m.id,
         "host": m.host,
         "address": m.record.address,  # where to scrape its metrics ("" when off)
+        "net_address": m.record.net_address,  # the IP its process groups use
         "rank": roster.index(m.id) if m.id in roster else None,
         "standby": m.id not in roster,
         "pid": m.record.pid,

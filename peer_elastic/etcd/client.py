@@ -70,8 +70,13 @@ class EndpointSpec:
     secure: bool
 
     @property
+    def bracketed_host(self) -> str:
+        """The host as a gRPC target or URL needs it: IPv6 addresses in brackets."""
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
     def netloc(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.bracketed_host}:{self.port}"
 
     def __str__(self) -> str:
         return f"{'https' if self.secure else 'http'}://{self.netloc}"
@@ -356,8 +361,8 @@ class EtcdClient:
         if user is not None and not secure:
             _warn_plaintext_password(self.describe())
         eps = [
-            etcd3.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=endpoint_retry_s,
-                           opts=_CHANNEL_OPTIONS)
+            etcd3.Endpoint(e.bracketed_host, e.port, secure=secure, creds=creds,
+                           time_retry=endpoint_retry_s, opts=_CHANNEL_OPTIONS)
             for e in self.endpoints
         ]
         # Auth is done by hand below, so the client never attaches call credentials to a

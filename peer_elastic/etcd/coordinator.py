@@ -93,6 +93,8 @@ class Coordinator:
         view: JobView | None = None,
         keeper: LeaseKeeper | None = None,
         auto_rejoin: bool = True,
+        net_address: str = "",
+        probe_port: int = 0,
     ) -> None:
         self.client = client
         self.job = job
@@ -104,7 +106,8 @@ class Coordinator:
         self.address = address
         self.local_rank = local_rank
         self.labels = dict(labels or {})
-        self.identity = Identity(self.host, address, local_rank, self.labels)
+        self.identity = Identity(self.host, address, local_rank, self.labels, net_address,
+                                 probe_port)
         self.view = view or JobView(client, job)
         self._own_keeper = keeper is None
         self._keeper = keeper

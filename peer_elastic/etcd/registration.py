@@ -55,6 +55,8 @@ class Identity:
     address: str = ""
     local_rank: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)
+    net_address: str = ""  # the IP its process groups use (peer_elastic.netaddr)
+    probe_port: int = 0  # a port on net_address that accepts reachability probes
 
     def new_member_id(self) -> str:
         return f"{self.host}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -69,6 +71,8 @@ class Identity:
             lease_id=lease_id,
             version=__version__,
             started_unix=time.time(),
+            net_address=self.net_address,
+            probe_port=self.probe_port,
         )
         rec.labels.update(self.labels)
         return rec

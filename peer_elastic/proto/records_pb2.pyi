@@ -99,7 +99,7 @@ class RunRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., run_id: _Optional[str] = ..., config: _Optional[_Union[JobConfig, _Mapping]] = ..., lease_id: _Optional[int] = ..., created_unix: _Optional[float] = ..., created_by: _Optional[str] = ..., overridden: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemberRecord(_message.Message):
-    __slots__ = ("schema", "member_id", "host", "address", "pid", "local_rank", "labels", "lease_id", "version", "started_unix")
+    __slots__ = ("schema", "member_id", "host", "address", "pid", "local_rank", "labels", "lease_id", "version", "started_unix", "net_address", "probe_port")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class MemberRecord(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PORT_FIELD_NUMBER: _ClassVar[int]
     schema: int
     member_id: str
     host: str
@@ -127,7 +129,9 @@ class MemberRecord(_message.Message):
     lease_id: int
     version: str
     started_unix: float
-    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ...) -> None: ...
+    net_address: str
+    probe_port: int
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ..., net_address: _Optional[str] = ..., probe_port: _Optional[int] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
     __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed", "detected_unix", "causes")

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from peer_elastic.errors import PeerElasticError
+from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
@@ -34,6 +35,7 @@ from peer_elastic.etcd.stop import (
     StopCause,
     stop_reason,
 )
+from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.store import EtcdStore
@@ -151,6 +153,8 @@ class GroupManager:
             t1 = time.monotonic()
             incarnation = coord.incarnation
             pending = GroupId(a.generation, a.roster, incarnation)
+            if not self._wait_reachable(a, pending):
+                continue
             store = self._store = self._new_store(pending)
             try:
                 with GroupConnections.capture(exclude=self._is_etcd) as connections:
@@ -227,6 +231,71 @@ class GroupManager:
         self.stats.collective_abandoned()
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
+
+    # -- reachability of the roster's advertised addresses (peer_elastic.netaddr) ---------------
+
+    def _unreachable(self, a: Assignment) -> list[str]:
+        """One line per roster member whose advertised group address this peer cannot reach.
+
+        Raises :class:`ConfigError` when this peer itself advertises a loopback address
+        while a member on another host does not: nobody else can ever reach it.
+        """
+        coord = self.coordinator
+        snap = coord.snapshot()
+        me = snap.members.get(coord.member_id)
+        mine = me.record.net_address if me is not None else ""
+        others = [snap.members[m] for m in a.roster
+                  if m != coord.member_id and m in snap.members]
+        if mine and is_loopback(mine):
+            for m in others:
+                addr = m.record.net_address
+                if addr and not is_loopback(addr) and m.host != coord.host:
+                    raise ConfigError(
+                        f"this peer ({coord.member_id}, host {coord.host}) advertises the "
+                        f"loopback address {mine} for its process groups, but {m.id} on host "
+                        f"{m.host} is at {addr}: no other host can reach it (etcd is reached "
+                        f"over loopback here, so the route to etcd names no network "
+                        f"interface); {FIX}")
+        targets = [m for m in others if m.record.net_address and m.record.probe_port]
+        if not targets:
+            return []
+        timeout = max(0.5, min(2.0, self.collective_timeout_s / 4))
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            whys = list(pool.map(lambda m: probe(m.record.net_address, m.record.probe_port,
+                                                 timeout), targets))
+        return [f"{m.id} on host {m.host} advertises {m.record.net_address} for its process "
+                f"groups, but this peer ({coord.member_id} on host {coord.host}, "
+                f"{mine or 'no address'}) cannot reach "
+                f"{host_port(m.record.net_address, m.record.probe_port)}: {why}; {FIX}"
+                for m, why in zip(targets, whys, strict=True) if why is not None]
+
+    def _wait_reachable(self, a: Assignment, pending: GroupId) -> bool:
+        """Before ``init_process_group``: True once every roster member's address answers.
+
+        Otherwise the unreachable members are named (ERROR, and an event) at once, not at
+        gloo's timeout, and this waits (re-probing) until the generation is superseded (a
+        dead member's lease ran out: False), the member answers (True), or the collective
+        timeout has passed (marks the generation broken and returns False).
+        """
+        problems = self._unreachable(a)
+        if not problems:
+            return True
+        for line in problems:
+            log.error("generation %d: %s", a.generation, line)
+        self.coordinator.record_event("unreachable peer", "; ".join(problems)[:1000],
+                                      generation=a.generation)
+        deadline = time.monotonic() + self.collective_timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if self._abort_reason(pending) is not None:
+                return False  # superseded (e.g. the unreachable member left): move on
+            self.coordinator.check()
+            problems = self._unreachable(a)
+            if not problems:
+                log.info("generation %d: every member is reachable now", a.generation)
+                return True
+        self._mark_broken(a.generation, "unreachable: " + "; ".join(problems))
+        return False
 
     def _new_store(self, pending: GroupId) -> EtcdStore:
         coord = self.coordinator
