@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer_elastic.cli import job_status
 from peer_elastic.errors import PeerElasticError, RecordError
+from peer_elastic.etcd.admin import job_status
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd_server import EtcdServer
 from peer_elastic.records import EventRecord, decode
