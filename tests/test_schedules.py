@@ -29,7 +29,7 @@ from tests.helpers.schedules import (
     run_plan,
 )
 
-SEEDS = fresh_seeds(3)
+SEEDS = fresh_seeds(2)
 N_EVENTS = events_from_env(6)
 
 
