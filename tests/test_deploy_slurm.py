@@ -22,7 +22,9 @@ SBATCH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "peer-ela
 FAKE_SRUN = """#!/bin/bash
 # One task: drop srun's options, give the task a node name and a local id, run it.
 while [[ "$1" == --* ]]; do shift; done
-n=$(cat "$FAKE_DIR/count" 2>/dev/null || echo 0); echo $((n + 1)) > "$FAKE_DIR/count"
+# The script starts its tasks at once: take the first free slot with an atomic mkdir (a
+# read-then-write counter file gave two tasks the same node under load).
+n=0; until mkdir "$FAKE_DIR/slot$n" 2>/dev/null; do n=$((n + 1)); done
 export SLURMD_NODENAME=node$n SLURM_LOCALID=0
 exec "$@"
 """
