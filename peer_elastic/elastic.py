@@ -8,8 +8,9 @@ One pass of :meth:`Peer.run`::
 
     form the group of the newest generation listing us  (standbys wait here)
     -> reset callbacks on every rank (they see the new world size and may use collectives)
-    -> agree on state: one all-reduce of (needs state?, commit id); roll back a commit
-       that not every rank completed; sync from rank 0 when anyone needs state
+    -> agree on state: one all-gather of every rank's (needs state?, state version); sync
+       from the lowest rank holding the newest version unless all hold the same one
+       (peer_elastic.agreement)
     -> call the training function
          HostsUpdatedInterrupt -> keep live state, back to the top
          a failed collective   -> restore the last commit, mark the generation broken,
@@ -19,7 +20,8 @@ One pass of :meth:`Peer.run`::
 
 ``check_host_updates()`` (also inside ``commit()``) does no etcd I/O: it reads the watched
 generation from memory and runs one tiny all-reduce, so every roster member raises
-``HostsUpdatedInterrupt`` at the same call.
+``HostsUpdatedInterrupt`` at the same call; progress recorded on one rank only is merged
+before a commit is saved and before the interrupt (see :meth:`Peer._check`).
 """
 
 from __future__ import annotations
