@@ -233,6 +233,15 @@ class Tracked:
     def pid(self) -> int:
         return self.proc.pid
 
+    def tail(self, lines: int) -> list[str]:
+        """Its last ``lines`` lines of output; the STEP lines crowd out the rest, so only the
+        last STEP line is kept."""
+        with self.proc.cond:
+            all_lines = list(self.proc.lines)
+        steps = [i for i, line in enumerate(all_lines) if line.startswith("STEP ")]
+        return [line for i, line in enumerate(all_lines)
+                if not line.startswith("STEP ") or (steps and i == steps[-1])][-lines:]
+
 
 @dataclass
 class Applied:
@@ -311,12 +320,7 @@ class ChaosRunner:
         shown = list(self.peers if peers is None else peers)
         parts = [f"{self.tag()}: {msg}", "events applied:", self.history()]
         for p in shown:
-            with p.proc.cond:
-                all_lines = list(p.proc.lines)
-            # The STEP lines crowd out the rest: show the last one only.
-            steps = [i for i, line in enumerate(all_lines) if line.startswith("STEP ")]
-            tail = [line for i, line in enumerate(all_lines)
-                    if not line.startswith("STEP ") or (steps and i == steps[-1])][-lines:]
+            tail = p.tail(lines)
             parts.append(f"--- {p.name} (pid {p.pid}, {p.state}, rc {p.proc.proc.poll()}, "
                          f"members {p.members}) last {len(tail)} lines but STEP:")
             parts.extend(tail)

@@ -25,13 +25,18 @@ import os
 import random
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-from tests.helpers.netns import NetnsUnavailable, _host_networks, _run, unavailable_reason
+from tests.helpers.netns import (
+    NetnsUnavailable,
+    host_networks,
+    kill_all,
+    run_cmd,
+    unavailable_reason,
+)
 
 __all__ = ["Host", "Hosts", "NetnsUnavailable", "unavailable_reason"]
 
@@ -81,7 +86,7 @@ class Hosts:
 
     @staticmethod
     def _free_subnet() -> int:
-        taken = _host_networks()
+        taken = host_networks()
         for _ in range(64):
             a = random.randrange(256)
             mine = ipaddress.IPv4Network(f"10.215.{a}.0/24")
@@ -95,35 +100,35 @@ class Hosts:
         if reason:
             raise NetnsUnavailable(reason)
         try:
-            r = _run("ip", "link", "add", self.bridge, "type", "bridge", check=False)
+            r = run_cmd("ip", "link", "add", self.bridge, "type", "bridge", check=False)
             if r.returncode != 0:
                 raise NetnsUnavailable(f"creating a bridge failed: {r.stderr.strip()}")
             self._created.append("br")
             if self.ipv4:
-                _run("ip", "addr", "add", f"{self.bridge_ip4}/24", "dev", self.bridge)
+                run_cmd("ip", "addr", "add", f"{self.bridge_ip4}/24", "dev", self.bridge)
             if self.ipv6:
-                _run("ip", "-6", "addr", "add", f"{self.bridge_ip6}/64", "dev", self.bridge,
+                run_cmd("ip", "-6", "addr", "add", f"{self.bridge_ip6}/64", "dev", self.bridge,
                      "nodad")
-            _run("ip", "link", "set", self.bridge, "up")
+            run_cmd("ip", "link", "set", self.bridge, "up")
             for h in self.hosts:
-                r = _run("ip", "netns", "add", h.netns, check=False)
+                r = run_cmd("ip", "netns", "add", h.netns, check=False)
                 if r.returncode != 0:
                     raise NetnsUnavailable(f"`ip netns add` failed: {r.stderr.strip()}")
                 self._created.append(f"ns:{h.netns}")
-                r = _run("ip", "link", "add", h.host_if, "type", "veth", "peer", "name",
+                r = run_cmd("ip", "link", "add", h.host_if, "type", "veth", "peer", "name",
                          h.ns_if, "netns", h.netns, check=False)
                 if r.returncode != 0:
                     raise NetnsUnavailable(f"creating a veth pair failed: {r.stderr.strip()}")
                 self._created.append(f"if:{h.host_if}")
-                _run("ip", "link", "set", h.host_if, "master", self.bridge)
-                _run("ip", "link", "set", h.host_if, "up")
+                run_cmd("ip", "link", "set", h.host_if, "master", self.bridge)
+                run_cmd("ip", "link", "set", h.host_if, "up")
                 ns = ("ip", "netns", "exec", h.netns)
-                _run(*ns, "ip", "link", "set", "lo", "up")
+                run_cmd(*ns, "ip", "link", "set", "lo", "up")
                 if self.ipv4:
-                    _run(*ns, "ip", "addr", "add", f"{h.ip4}/24", "dev", h.ns_if)
+                    run_cmd(*ns, "ip", "addr", "add", f"{h.ip4}/24", "dev", h.ns_if)
                 if self.ipv6:
-                    _run(*ns, "ip", "-6", "addr", "add", f"{h.ip6}/64", "dev", h.ns_if, "nodad")
-                _run(*ns, "ip", "link", "set", h.ns_if, "up")
+                    run_cmd(*ns, "ip", "-6", "addr", "add", f"{h.ip6}/64", "dev", h.ns_if, "nodad")
+                run_cmd(*ns, "ip", "link", "set", h.ns_if, "up")
             self._wait_reachable()
         except BaseException:
             self.close()
@@ -136,7 +141,7 @@ class Hosts:
             for ip in ([self.bridge_ip4] if self.ipv4 else []) + \
                     ([self.bridge_ip6] if self.ipv6 else []):
                 while True:
-                    r = _run("ip", "netns", "exec", h.netns, "ping", "-c", "1", "-W", "1", ip,
+                    r = run_cmd("ip", "netns", "exec", h.netns, "ping", "-c", "1", "-W", "1", ip,
                              check=False) if shutil.which("ping") else self._py_probe(h, ip)
                     if r.returncode == 0:
                         break
@@ -149,33 +154,33 @@ class Hosts:
         fam = "AF_INET6" if ":" in ip else "AF_INET"
         code = (f"import socket; s = socket.socket(socket.{fam}, socket.SOCK_DGRAM); "
                 f"s.connect(({ip!r}, 9)); s.send(b'x')")
-        return _run("ip", "netns", "exec", h.netns, sys.executable, "-c", code, check=False)
+        return run_cmd("ip", "netns", "exec", h.netns, sys.executable, "-c", code, check=False)
 
     # -- events --------------------------------------------------------------------------------
 
     def cut(self, h: Host) -> None:
         """Partition ``h`` from every other host and from etcd (silent drop)."""
         if shutil.which("tc"):
-            r = _run("tc", "qdisc", "add", "dev", h.host_if, "root", "pfifo", "limit", "0",
+            r = run_cmd("tc", "qdisc", "add", "dev", h.host_if, "root", "pfifo", "limit", "0",
                      check=False)
             if r.returncode == 0:
-                _run("ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.ns_if,
+                run_cmd("ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.ns_if,
                      "root", "pfifo", "limit", "0")
                 h.cut_mode = "drop"
                 return
-        _run("ip", "link", "set", h.host_if, "down")
+        run_cmd("ip", "link", "set", h.host_if, "down")
         h.cut_mode = "down"
 
     def heal(self, h: Host) -> None:
         if h.cut_mode == "drop":
-            _run("ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", h.ns_if, "root")
-            _run("tc", "qdisc", "del", "dev", h.host_if, "root")
+            run_cmd("ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", h.ns_if, "root")
+            run_cmd("tc", "qdisc", "del", "dev", h.host_if, "root")
         elif h.cut_mode == "down":
-            _run("ip", "link", "set", h.host_if, "up")
+            run_cmd("ip", "link", "set", h.host_if, "up")
         h.cut_mode = ""
 
     def pids(self, h: Host) -> list[int]:
-        r = _run("ip", "netns", "pids", h.netns, check=False)
+        r = run_cmd("ip", "netns", "pids", h.netns, check=False)
         return [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
 
     # -- teardown ------------------------------------------------------------------------------
@@ -185,22 +190,13 @@ class Hosts:
         for h in self.hosts:
             if f"ns:{h.netns}" not in self._created:
                 continue
-            for _ in range(20):
-                pids = self.pids(h)
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.1)
-            _run("ip", "netns", "del", h.netns, check=False)
+            kill_all(lambda h=h: self.pids(h))
+            run_cmd("ip", "netns", "del", h.netns, check=False)
         for item in self._created:
             if item.startswith("if:"):
-                _run("ip", "link", "del", item[3:], check=False)
+                run_cmd("ip", "link", "del", item[3:], check=False)
         if "br" in self._created:
-            _run("ip", "link", "del", self.bridge, check=False)
+            run_cmd("ip", "link", "del", self.bridge, check=False)
         self._created.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
 

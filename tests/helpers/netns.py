@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _CMD_TIMEOUT_S = 15.0
@@ -55,7 +56,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_cmd(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
         r = subprocess.run(list(args), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
@@ -65,11 +66,11 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return r
 
 
-def _host_networks() -> list[ipaddress.IPv4Network]:
+def host_networks() -> list[ipaddress.IPv4Network]:
     """IPv4 networks the host already has addresses or routes in (to avoid overlaps)."""
     nets = []
     for cmd in (("ip", "-4", "-o", "addr", "show"), ("ip", "-4", "route", "show", "table", "all")):
-        for word in _run(*cmd, check=False).stdout.split():
+        for word in run_cmd(*cmd, check=False).stdout.split():
             if word[:1].isdigit() and "." in word:
                 try:
                     nets.append(ipaddress.IPv4Network(word, strict=False))
@@ -104,7 +105,7 @@ class Netns:
 
     @staticmethod
     def _free_subnet() -> tuple[int, int]:
-        taken = _host_networks()
+        taken = host_networks()
         for _ in range(64):
             a, b = random.randrange(256), 4 * random.randrange(64)
             mine = [ipaddress.IPv4Network(f"10.{x}.{a}.{b}/30") for x in (213, 214)]
@@ -121,28 +122,28 @@ class Netns:
         if reason:
             raise NetnsUnavailable(reason)
         try:
-            r = _run("ip", "netns", "add", self.name, check=False)
+            r = run_cmd("ip", "netns", "add", self.name, check=False)
             if r.returncode != 0:
                 raise NetnsUnavailable(f"`ip netns add` failed: {r.stderr.strip()}")
             self._created.append("netns")
             self._ns("ip", "link", "set", "lo", "up")
             for link in (self.gloo, self.etcd):
-                r = _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name",
+                r = run_cmd("ip", "link", "add", link.host_if, "type", "veth", "peer", "name",
                          link.ns_if, "netns", self.name, check=False)
                 if r.returncode != 0:
                     raise NetnsUnavailable(f"creating a veth pair failed: {r.stderr.strip()}")
                 self._created.append(link.host_if)
-                _run("ip", "addr", "add", f"{link.host_ip}/{link.prefix}", "dev", link.host_if)
-                _run("ip", "link", "set", link.host_if, "up")
+                run_cmd("ip", "addr", "add", f"{link.host_ip}/{link.prefix}", "dev", link.host_if)
+                run_cmd("ip", "link", "set", link.host_if, "up")
                 self._ns("ip", "addr", "add", f"{link.ns_ip}/{link.prefix}", "dev", link.ns_if)
                 self._ns("ip", "link", "set", link.ns_if, "up")
             # Probe the silent-drop qdisc once; fall back to a blackhole route without it.
-            r = _run("tc", "qdisc", "add", "dev", self.etcd.host_if, "root", "pfifo", "limit", "0",
+            r = run_cmd("tc", "qdisc", "add", "dev", self.etcd.host_if, "root", "pfifo", "limit", "0",
                      check=False) if shutil.which("tc") else None
             if r is None or r.returncode != 0:
                 self.cut_mode = "blackhole"
             else:
-                _run("tc", "qdisc", "del", "dev", self.etcd.host_if, "root")
+                run_cmd("tc", "qdisc", "del", "dev", self.etcd.host_if, "root")
             self._wait_reachable()
         except BaseException:
             self.close()
@@ -168,7 +169,7 @@ class Netns:
                     time.sleep(0.2)
 
     def _ns(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run("ip", "netns", "exec", self.name, *args, check=check)
+        return run_cmd("ip", "netns", "exec", self.name, *args, check=check)
 
     # -- using ----------------------------------------------------------------------------------
 
@@ -179,7 +180,7 @@ class Netns:
     def cut_etcd(self) -> None:
         """Partition the namespace from etcd (the etcd link only)."""
         if self.cut_mode == "drop":
-            _run("tc", "qdisc", "add", "dev", self.etcd.host_if, "root", "pfifo", "limit", "0")
+            run_cmd("tc", "qdisc", "add", "dev", self.etcd.host_if, "root", "pfifo", "limit", "0")
             self._ns("tc", "qdisc", "add", "dev", self.etcd.ns_if, "root", "pfifo", "limit", "0")
         else:
             self._ns("ip", "route", "replace", "blackhole", f"{self.etcd.host_ip}/32")
@@ -189,14 +190,14 @@ class Netns:
         """Undo :meth:`cut_etcd`."""
         if self.cut_mode == "drop":
             self._ns("tc", "qdisc", "del", "dev", self.etcd.ns_if, "root")
-            _run("tc", "qdisc", "del", "dev", self.etcd.host_if, "root")
+            run_cmd("tc", "qdisc", "del", "dev", self.etcd.host_if, "root")
         else:
             self._ns("ip", "route", "del", "blackhole", f"{self.etcd.host_ip}/32")
         self.is_cut = False
 
     def pids(self) -> list[int]:
         """PIDs of the processes running inside the namespace."""
-        r = _run("ip", "netns", "pids", self.name, check=False)
+        r = run_cmd("ip", "netns", "pids", self.name, check=False)
         return [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
 
     # -- teardown -------------------------------------------------------------------------------
@@ -204,22 +205,13 @@ class Netns:
     def close(self) -> None:
         """Kill what runs inside, delete the namespace and links. Idempotent, never raises."""
         if "netns" in self._created:
-            for _ in range(20):
-                pids = self.pids()
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.1)
-            _run("ip", "netns", "del", self.name, check=False)
+            kill_all(self.pids)
+            run_cmd("ip", "netns", "del", self.name, check=False)
         # Deleting the namespace destroys its veth ends and with them the pairs; delete the
         # host ends too in case a pair outlived it (e.g. the ns end was never moved).
         for name in self._created:
             if name != "netns":
-                _run("ip", "link", "del", name, check=False)
+                run_cmd("ip", "link", "del", name, check=False)
         self._created.clear()
 
     def __enter__(self) -> Netns:
@@ -233,6 +225,21 @@ class Netns:
 
 
 # -- who talks to whom ------------------------------------------------------------------------------
+
+
+def kill_all(pids: Callable[[], list[int]], tries: int = 20) -> None:
+    """SIGKILL every process ``pids()`` lists until it lists none (bounded: ``tries`` rounds
+    0.1 s apart), e.g. everything inside a namespace before it is deleted."""
+    for _ in range(tries):
+        left = pids()
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 def tcp_connections(pid: int) -> list[tuple[str, int, str, int]]:

@@ -434,11 +434,7 @@ class ScheduleRunner(ChaosRunner):
         """The last lines (STEP lines but the last left out) of every peer's output."""
         parts = []
         for p in self.peers:
-            with p.proc.cond:
-                all_lines = list(p.proc.lines)
-            steps = [i for i, line in enumerate(all_lines) if line.startswith("STEP ")]
-            tail = [line for i, line in enumerate(all_lines)
-                    if not line.startswith("STEP ") or (steps and i == steps[-1])][-lines:]
+            tail = p.tail(lines)
             parts.append(f"--- {p.name} (pid {p.pid}, {p.state}, rc {p.proc.proc.poll()}, "
                          f"members {p.members}):")
             parts.extend(tail)
