@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.procs import Cluster, PeerProc
+from tests.test_partition import GEN_LINE
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def result_of(p: PeerProc) -> dict:
 
 def gen_lines(p: PeerProc) -> list[tuple[int, int, int]]:
     with p.cond:
-        return [tuple(map(int, line.split()[1:4])) for line in p.lines if line.startswith("GEN ")]
+        return [tuple(map(int, m.groups())) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
 
 
 def step_count(p: PeerProc) -> int:

@@ -46,6 +46,9 @@ SETTINGS = {
     "WORKER_STEP_S": 0.03,
 }
 HOLD_STEPS = 10  # STEP lines the world of 2 prints while the cut-off peer must stay quiet
+# Whole lines only: a result line another write broke into is skipped, never misread.
+GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
+STEP_LINE = re.compile(r"STEP (\d+) (\d+) (\d+)")
 JOINED = re.compile(r"joined job \S+ run \S+ as (\S+) \(lease ([0-9a-f]+)\)")
 LOST_LEASE = re.compile(r"lost its lease|after losing its lease")
 
@@ -99,15 +102,15 @@ def wait_for(p: PeerProc, find: Callable[[], T | None], what: str, timeout: floa
 def gens(p: PeerProc, after: int = 0) -> list[tuple[int, int, int, int]]:
     """(line index, generation, rank, size) of every GEN line at index >= ``after``."""
     with p.cond:
-        return [(i, *map(int, line.split()[1:4])) for i, line in enumerate(p.lines)
-                if i >= after and line.startswith("GEN ")]
+        return [(i, *map(int, m.groups())) for i, line in enumerate(p.lines)
+                if i >= after and (m := GEN_LINE.fullmatch(line))]
 
 
 def steps(p: PeerProc, generation: int | None = None) -> int:
     """How many STEP lines ``p`` printed (in ``generation``, if given)."""
     with p.cond:
-        return sum(1 for line in p.lines if line.startswith("STEP ")
-                   and (generation is None or int(line.split()[3]) == generation))
+        return sum(1 for line in p.lines if (m := STEP_LINE.fullmatch(line))
+                   and (generation is None or int(m.group(3)) == generation))
 
 
 def wait_gen(p: PeerProc, size: int, after: int = 0, timeout: float = 90) -> tuple[int, int]:

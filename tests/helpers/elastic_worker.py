@@ -161,7 +161,11 @@ def digest(state: pe.TorchState) -> str:
 
 
 def say(*parts: object) -> None:
-    print(*parts, flush=True)
+    # One write per line: the harness sets PYTHONUNBUFFERED and reads stdout and stderr from one
+    # pipe, and print(*parts) writes each part separately, so a log line from another thread
+    # could land inside a result line ("STEP 0 3 peer-elastic[...]", seen in CI).
+    sys.stdout.write(" ".join(map(str, parts)) + "\n")
+    sys.stdout.flush()
 
 
 def end_requested() -> bool:
