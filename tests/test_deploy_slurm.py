@@ -31,6 +31,10 @@ exec "$@"
 FAKE_SCANCEL = """#!/bin/bash
 echo "$@" >> "$FAKE_DIR/scancel"
 """
+# No steps but the script's own: nobody joined with `srun --jobid`.
+FAKE_SQUEUE = """#!/bin/bash
+echo "$SLURM_JOB_ID.batch"
+"""
 TASK = """
 import json, os, sys
 from peer_elastic.etcd.client import client_from_env
@@ -65,7 +69,7 @@ def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
         pytest.skip("no etcd binary")
     fake = tmp_path / "bin"
     fake.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL)):
+    for name, body in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE)):
         (fake / name).write_text(body)
         (fake / name).chmod(0o755)
     task = tmp_path / "task.py"
