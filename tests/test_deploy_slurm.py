@@ -1,6 +1,9 @@
-"""deploy/slurm/peer-elastic.sbatch: syntax, the variables it sets, and a dry run under fake
-``srun``/``scancel`` (no Slurm here: the script's own logic, its etcd on the batch host and
-the per-task environment are real; Slurm's scheduling is not)."""
+"""deploy/slurm/peer-elastic.sbatch: syntax, the variables it sets, a dry run under fake
+``srun``/``scancel`` (the script's own logic, its etcd on the batch host and the per-task
+environment are real; Slurm's scheduling is not), and a job on a real single-node Slurm
+(tests/helpers/slurm.py) that trains, loses one step to a graceful leave and gains a second
+``srun``. The real-Slurm test skips where Slurm is not installed or not root, except under
+``CI``, where it fails instead."""
 
 from __future__ import annotations
 
@@ -10,12 +13,20 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from peer_elastic import settings_table
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import find_etcd_binary, free_port
+from peer_elastic.records import MemberRecord, decode
+from tests.helpers.procs import PeerProc
+from tests.helpers.slurm import SlurmCluster, wait_for
+from tests.helpers.slurm import unavailable_reason as slurm_unavailable
 
 SBATCH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "peer-elastic.sbatch"
 
@@ -92,3 +103,179 @@ def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
         assert doc["PEER_ELASTIC_LOCAL_RANK"] == "0"
         assert doc["argv"] == ["--epochs", "2"]
     assert shutil.which("srun", path=str(fake))
+
+
+# --- on a real Slurm ----------------------------------------------------------------------------
+# A private single-node Slurm (tests/helpers/slurm.py: munged, slurmctld, slurmd from Debian's
+# packages, run by the test). The sbatch script starts a job of 3 tasks, one step each, running
+# the elastic test worker against the test's etcd; one step gets `scancel --signal=TERM
+# <job>.<step>` and leaves gracefully; a second `srun --jobid` joins; the exactly-once oracle
+# checks the result.
+
+REAL_SETTINGS = {
+    "PEER_ELASTIC_LEASE_TTL": 3,
+    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
+    "PEER_ELASTIC_START_SETTLE": 1.0,
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
+    "PEER_ELASTIC_MIN_NP": 2,
+    "PEER_ELASTIC_LOG_LEVEL": "INFO",
+    "WORKER_EPOCHS": 80,  # the job runs until the test writes WORKER_END_FILE
+    "WORKER_SAMPLES": 480,
+    "WORKER_STEP_S": 0.03,
+    "PYTHONUNBUFFERED": "1",
+}
+WORKER = "tests/helpers/elastic_worker.py"
+GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
+STEP_LINE = re.compile(r"STEP (\d+) (\d+) (\d+)")
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture
+def slurm() -> Iterator[SlurmCluster]:
+    reason = slurm_unavailable()
+    if reason:
+        if _ci():
+            pytest.fail(f"CI is set, so the real-Slurm test must run, but: {reason} "
+                        "(.ci/run installs the packages when run as root)")
+        pytest.skip(f"real-Slurm test: {reason}")
+    cluster = SlurmCluster(cpus=8)
+    try:
+        cluster.start(timeout=60)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+class Output:
+    """What one peer printed: a step's output file (``SLURM_STDOUTMODE=...%s...``), or the
+    stdout of a ``srun`` the test runs (:class:`PeerProc`)."""
+
+    def __init__(self, name: str, path: Path | None = None, proc: PeerProc | None = None) -> None:
+        self.name, self.path, self.proc = name, path, proc
+
+    def lines(self) -> list[str]:
+        if self.proc is not None:
+            with self.proc.cond:
+                return list(self.proc.lines)
+        try:
+            text = self.path.read_text(errors="replace")  # type: ignore[union-attr]
+        except FileNotFoundError:
+            return []
+        lines = text.split("\n")
+        return lines[:-1]  # whole lines only: the last one may be half written
+
+    def gens(self, after: int = 0) -> list[tuple[int, int, int, int]]:
+        """(line index, generation, rank, size) of every GEN line at index >= ``after``."""
+        return [(i, *map(int, m.groups())) for i, line in enumerate(self.lines())
+                if i >= after and (m := GEN_LINE.fullmatch(line))]
+
+    def steps(self, generation: int) -> int:
+        return sum(1 for line in self.lines()
+                   if (m := STEP_LINE.fullmatch(line)) and int(m.group(3)) == generation)
+
+    def results(self) -> list[dict]:
+        return [json.loads(line.split(" ", 1)[1]) for line in self.lines()
+                if line.startswith("RESULT ")]
+
+    def tail(self, n: int = 40) -> str:
+        return f"--- {self.name}\n" + "\n".join(self.lines()[-n:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_slurm_job_trains_one_step_leaves_a_second_srun_joins(
+    slurm: SlurmCluster, etcd: str, tmp_path: Path
+) -> None:
+    t0 = time.monotonic()
+    end_file = tmp_path / "end"
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("PEER_ELASTIC_")}
+    env.update({k: str(v) for k, v in REAL_SETTINGS.items()})
+    env.update(PEER_ELASTIC_ETCD=etcd, TRAIN_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(sys.path), WORKER_END_FILE=str(end_file))
+    # Each step's output in a file of its own (srun reads SLURM_STDOUTMODE like --output).
+    batch_env = dict(env, SLURM_STDOUTMODE=str(tmp_path / "step-%j.%s.out"))
+    root = SBATCH.parent.parent.parent
+    sub = slurm.run("sbatch", "--parsable", "--nodes=1", "--ntasks=3", "--ntasks-per-node=3",
+                    "--cpus-per-task=1", "--time=10", f"--output={tmp_path}/batch-%j.out",
+                    f"--chdir={root}", str(SBATCH), WORKER, env=batch_env)
+    job = sub.stdout.strip().split(";")[0]
+    outs = {s: Output(f"step {job}.{s}", path=tmp_path / f"step-{job}.{s}.out") for s in range(3)}
+    joiner: PeerProc | None = None
+
+    def details() -> str:
+        parts = [o.tail() for o in outs.values()]
+        batch = tmp_path / f"batch-{job}.out"
+        if batch.exists():
+            parts.append(f"--- batch\n{batch.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts) + "\n" + slurm.logs(20)
+
+    def wait_gen(o: Output, size: int, after: int = 0, timeout: float = 60) -> int:
+        return wait_for(f"{o.name}: a world of {size} after line {after}",
+                        lambda: next((g for _, g, _, s in o.gens(after) if s == size), None),
+                        timeout, details=details)
+
+    def reformed(size: int, *os_: Output, marks: dict[str, int], timeout: float = 60) -> int:
+        g = max(wait_gen(o, size, marks.get(o.name, 0), timeout) for o in os_)
+        wait_for(f"{os_[0].name}: 2 steps in generation {g}",
+                 lambda: True if os_[0].steps(g) >= 2 else None, timeout, details=details)
+        return g
+
+    try:
+        # 1. Three tasks, one step each (job.0, .1, .2), form a world of 3 and train.
+        wait_for("3 running steps", lambda: True if slurm.steps(job) == [
+            f"{job}.{s}" for s in range(3)] else None, 60, details=details)
+        g = reformed(3, *outs.values(), marks={}, timeout=90)
+        t_formed = time.monotonic()
+        with EtcdClient(etcd) as client:
+            kvs, _ = client.get_prefix(job_prefix(f"slurm-{job}"))  # the script's job name
+        hosts = [decode(MemberRecord, kv.value, kv.key).host for kv in kvs
+                 if "/members/" in kv.key]
+        assert hosts == [slurm.node] * 3, hosts  # PEER_ELASTIC_HOST: the Slurm node
+
+        # 2. `scancel --signal=TERM <job>.<step>` on one step (not rank 0): that peer leaves
+        # gracefully, the other two re-form as 2 and go on.
+        leaving = next(s for s, o in outs.items() if [r for _, gg, r, _ in o.gens() if gg == g]
+                       != [0])
+        stay = [o for s, o in outs.items() if s != leaving]
+        marks = {o.name: len(o.lines()) for o in stay}
+        slurm.run("scancel", "--signal=TERM", f"{job}.{leaving}")
+        reformed(2, *stay, marks=marks)
+        wait_for(f"step {job}.{leaving} ended", lambda: True if f"{job}.{leaving}" not in
+                 slurm.steps(job) else None, 60, details=details)
+        left = "\n".join(outs[leaving].lines())
+        assert "leaving job" in left and "Traceback" not in left, details()
+
+        # 3. A second srun in the same allocation joins: a world of 3 again.
+        join_env = dict(env, PEER_ELASTIC_JOB=f"slurm-{job}")
+        marks = {o.name: len(o.lines()) for o in stay}
+        joiner = PeerProc(["srun", f"--jobid={job}", "--ntasks=1", "--exact",
+                           "--kill-on-bad-exit=0", sys.executable, WORKER], join_env, "srun-join")
+        joined = Output(f"srun --jobid={job}", proc=joiner)
+        outs[3] = joined
+        reformed(3, joined, *stay, marks=marks, timeout=90)
+        assert slurm.steps(job) == sorted(f"{job}.{s}" for s in range(4) if s != leaving)
+
+        # 4. End the job: every step exits 0 (the left one included: the batch script exits
+        # with the first non-zero step status), every sample trained once, ranks identical.
+        end_file.touch()
+        assert joiner.wait(120) == 0, details()
+
+        def done() -> str | None:
+            st = slurm.job(job)["JobState"]
+            return None if st in ("PENDING", "RUNNING", "COMPLETING") else st
+
+        state = wait_for("the job done", done, 120, details=details)
+        info = slurm.job(job)
+        assert (state, info["ExitCode"]) == ("COMPLETED", "0:0"), details()
+        found = [r for o in outs.values() for r in o.results()]
+        assert len(found) == 1, (found, details())
+        res = found[0]
+        assert res["exact"] and res["identical"] and res["world"] == 3, res
+        print(f"real Slurm: world of 3 {t_formed - t0:.1f} s after sbatch, "
+              f"whole test {time.monotonic() - t0:.1f} s")
+    finally:
+        if joiner is not None:
+            joiner.kill()
