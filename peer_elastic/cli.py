@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -200,12 +201,19 @@ def cmd_etcd(args: argparse.Namespace) -> int:
     server.start()
     print(f"etcd running at {server.endpoint} (data in {args.data_dir}); Ctrl-C stops it",
           file=sys.stderr)
+    # Ctrl-C and SIGTERM only set an event: a KeyboardInterrupt raised in the middle of
+    # Popen.poll() can leave its internal wait lock held, and stop() then could not reap etcd.
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while server.running:
-            time.sleep(0.5)
+        while server.running and not stopping.wait(0.5):
+            pass
     finally:
         server.stop()
-    return EXIT_OK
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_INTERRUPTED if stopping.is_set() else EXIT_OK
 
 
 # --- status / drain -----------------------------------------------------------------------------
