@@ -37,11 +37,14 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
@@ -194,7 +197,7 @@ def seed_from_env(environ: dict[str, str] | None = None) -> int:
     return int(raw) if raw else secrets.randbelow(1_000_000_000)
 
 
-def events_from_env(default: int = 30, environ: dict[str, str] | None = None) -> int:
+def events_from_env(default: int = 20, environ: dict[str, str] | None = None) -> int:
     raw = (os.environ if environ is None else environ).get(EVENTS_ENV, "").strip()
     return int(raw) if raw else default
 
@@ -287,7 +290,15 @@ class ChaosRunner:
         self.progress_steps = progress_steps
         self.progress_timeout_s = progress_timeout_s
         self._out = out
-        self.epochs = epochs if epochs is not None else training_epochs(len(schedule))
+        # The job ends when finish() creates WORKER_END_FILE, after the last event settled,
+        # not after a number of epochs guessed from the pace: on a loaded machine a slow
+        # schedule outran that guess and the job finished before its last event.
+        self.epochs = epochs if epochs is not None else 2 * training_epochs(len(schedule))
+        self._own_end_dir = None if "WORKER_END_FILE" in settings else tempfile.mkdtemp(
+            prefix="chaos-end-")
+        if self._own_end_dir is not None:
+            settings["WORKER_END_FILE"] = Path(self._own_end_dir) / "end"
+        self.end_file = Path(str(settings["WORKER_END_FILE"]))
         env = dict(SETTINGS, PEER_ELASTIC_MIN_NP=min_np, PEER_ELASTIC_MAX_NP=max_np,
                    WORKER_EPOCHS=self.epochs)
         env.update(settings)
@@ -645,8 +656,9 @@ class ChaosRunner:
     def finish(self, timeout: float = 300.0) -> dict[str, Any]:
         """Wait for the job to end and every peer to exit; return rank 0's RESULT."""
         self.schedule_end_epoch = self.last_epoch
-        self.say(f"schedule done ({len(self.applied)} events); waiting for the job to finish "
-                 f"(epoch {self.last_epoch} of {self.epochs})")
+        self.end_file.touch()
+        self.say(f"schedule done ({len(self.applied)} events) at epoch {self.last_epoch}: "
+                 "ending the job")
         self.wait_for("the job to finish (RESULT)", lambda: self.finished, timeout=timeout)
         return self.wait_all_exited()
 
@@ -674,7 +686,7 @@ class ChaosRunner:
             problems.append(f"final world {result.get('world')} < min_np {self.min_np}")
         if len(self.applied) < len(self.schedule):
             problems.append(f"only {len(self.applied)} of {len(self.schedule)} events applied "
-                            f"(the job finished first: raise EPOCHS_PER_EVENT)")
+                            f"(the job reached WORKER_EPOCHS first: raise EPOCHS_PER_EVENT)")
         for p in self.peers:
             rc = p.proc.proc.poll()
             if p.state not in ("killed", *self.ANY_EXIT) and rc != 0:
@@ -728,6 +740,8 @@ class ChaosRunner:
     def close(self) -> None:
         """Kill every peer still running (SIGCONT first, so a stopped one dies too)."""
         self.cluster.close()  # PeerProc.kill: SIGCONT + SIGKILL to its process group, reap
+        if self._own_end_dir is not None:
+            shutil.rmtree(self._own_end_dir, ignore_errors=True)
 
 
 def run_chaos(etcd: EtcdCluster, job: str, seed: int, n_events: int, *,
