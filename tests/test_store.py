@@ -124,10 +124,12 @@ def test_wait_ignores_longer_keys_and_deleted_keys(store: EtcdStore) -> None:
     store.set("rank/10", b"x")  # shares the prefix "rank/1"
     with pytest.raises(StoreTimeout):
         store.wait(["rank/1"], timedelta(seconds=0.3))
-    later(0.1, lambda: (store.set("rank/1", b"x"), store.delete_key("rank/1")))
-    later(0.2, lambda: store.set("rank/11", b"x"))
+    timers = [later(0.1, lambda: (store.set("rank/1", b"x"), store.delete_key("rank/1"))),
+              later(0.2, lambda: store.set("rank/11", b"x"))]
     with pytest.raises(StoreTimeout):
         store.wait(["rank/1", "rank/11"], timedelta(seconds=0.6))  # never both present
+    for t in timers:  # on a loaded machine they may still be running: not past the client
+        t.join(timeout=30)
 
 
 def test_add_is_atomic(store: EtcdStore, etcd: str) -> None:
