@@ -72,7 +72,7 @@ DEFAULT_ADDR: str = METRICS_ADDR.default
 
 #: Every value the ``reason`` label of ``peer_elastic_resets_total`` can take. Member ids
 #: never become labels: they would make the number of series grow without bound.
-REASONS = ("joined", "left", "crash", "lease_lost", "other")
+REASONS = ("joined", "left", "crash", "hung", "lease_lost", "other")
 
 #: ``state.commit()``: an in-memory copy of the state plus one tiny all-reduce; from tens
 #: of microseconds (small models) to seconds (large models on a slow copy).
@@ -109,13 +109,16 @@ def classify_reason(causes: Collection[int], *, crashed: bool = False,
     came through the failed-collective path (it restored its last commit), ``lease_lost``
     that it lost its lease and re-registered. When several causes apply, the most severe
     wins: lease_lost, crash (a broken generation or a member dropped for not acknowledging),
-    left (a member left, expired or no longer fits), joined; anything else is ``other``.
+    hung (a member was fenced for a hung training thread), left (a member left, expired or
+    no longer fits), joined; anything else is ``other``.
     """
     if lease_lost:
         return "lease_lost"
     found = set(causes)
     if crashed or found & _CRASH_CAUSES:
         return "crash"
+    if GenerationCause.GENERATION_CAUSE_HUNG in found:
+        return "hung"
     if found & _LEFT_CAUSES:
         return "left"
     if GenerationCause.GENERATION_CAUSE_JOINED in found:
