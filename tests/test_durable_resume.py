@@ -1,0 +1,117 @@
+"""Whole-job resume from durable snapshots: real etcd, real peer processes, the oracle.
+
+Every peer of a job is SIGKILLed mid-epoch (a correlated failure: a rack, a preemption),
+then the job is started again, with the same number of peers and with another. The job's
+final state must count every sample of every epoch exactly once (tests/helpers/
+elastic_worker.py): the model's counts and the sampler's progress come from the same
+snapshot, so the work after the last snapshot is redone, and counted once. Each test also
+checks that the restarted job did resume (its first state holds committed work) rather than
+train from scratch, which would pass the oracle too.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from peer_elastic.durable.layout import SnapshotDir
+from tests.helpers.procs import Cluster, PeerProc, results
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {
+    "PEER_ELASTIC_LEASE_TTL": 3,
+    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
+    "PEER_ELASTIC_START_SETTLE": 0.5,
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 20,
+    "PEER_ELASTIC_SNAPSHOT_EVERY": 0.5,
+    "WORKER_SAMPLES": 480,
+    "WORKER_EPOCHS": 2,
+    "WORKER_STEP_S": 0.03,
+}
+
+
+@pytest.fixture
+def cluster(etcd: str, unique_job: str, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(etcd, unique_job, PEER_ELASTIC_SNAPSHOT_DIR=tmp_path / "snaps", **SETTINGS)
+    yield c
+    c.close()
+
+
+def wait_for(predicate, timeout: float, what: str, peers: list[PeerProc]) -> None:  # type: ignore[no-untyped-def]
+    """Poll a condition on files (bounded); fail with the peers' output."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or all(p.proc.poll() is not None for p in peers):
+            raise AssertionError(f"no {what}:\n" + "\n".join(p.output() for p in peers))
+        time.sleep(0.1)
+
+
+def start_lines(p: PeerProc) -> list[tuple[int, int, int]]:
+    with p.cond:
+        return [tuple(map(int, line.split()[1:])) for line in p.lines
+                if line.startswith("START ")]  # type: ignore[misc]
+
+
+def kill_all_after_a_snapshot(cluster: Cluster, n: int, directory: SnapshotDir) -> int:
+    """Start ``n`` peers, let them write a snapshot and train past it, SIGKILL them all.
+    Returns the commits of the newest snapshot written."""
+    peers = cluster.start(n)
+    peers[0].wait_line("GEN", timeout=90)
+    wait_for(lambda: len(directory.names()) >= 2, 90, "second snapshot", peers)
+    newest = directory.newest_valid()
+    assert newest is not None
+    peers[0].wait_line("STEP", timeout=60, after=len(peers[0].lines))  # work after it
+    for p in peers:
+        p.signal(signal.SIGKILL)
+    for p in peers:
+        p.wait(30)
+    assert not results(peers), "the job finished before it was killed: make it longer"
+    return directory.newest_valid().id.commits
+
+
+def finish(peers: list[PeerProc]) -> dict:
+    for p in peers:
+        assert p.wait(120) == 0, p.output()
+    (result,) = results(peers)
+    assert result["exact"], result
+    assert result["identical"], result
+    return result
+
+
+@pytest.mark.parametrize("before,after", [(2, 2), (2, 3)])
+def test_kill_every_peer_then_resume(cluster: Cluster, tmp_path: Path, unique_job: str,
+                                     before: int, after: int) -> None:
+    directory = SnapshotDir(tmp_path / "snaps", unique_job)
+    kill_all_after_a_snapshot(cluster, before, directory)
+    newest = directory.newest_valid()
+    peers = cluster.start(after)
+    result = finish(peers)
+    assert result["world"] == after
+    first = min((start_lines(p)[0] for p in peers if start_lines(p)), key=lambda s: s[2])
+    # The restarted job's first state is the newest snapshot's (or a newer one only if a
+    # snapshot was written after it: never, everyone was dead).
+    assert first[2] == newest.id.commits > 0, (first, newest)
+    assert any("resuming job" in line for p in peers for line in p.lines)
+
+
+def test_a_corrupt_newest_snapshot_is_skipped(cluster: Cluster, tmp_path: Path,
+                                              unique_job: str) -> None:
+    directory = SnapshotDir(tmp_path / "snaps", unique_job)
+    kill_all_after_a_snapshot(cluster, 2, directory)
+    names = directory.names()
+    newest, older = names[-1], names[-2]
+    tensors = next(p for p in directory.snapshot_path(newest).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(tensors.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the checksum tells
+    tensors.write_bytes(bytes(raw))
+    peers = cluster.start(2)
+    finish(peers)
+    firsts = [start_lines(p)[0] for p in peers if start_lines(p)]
+    assert min(s[2] for s in firsts) == older.commits, (firsts, older, newest)
+    out = "\n".join(line for p in peers for line in p.lines)
+    assert "cannot be loaded, trying an older one" in out
