@@ -232,6 +232,7 @@ class Peer:
                 self._finish()
                 return result
         except LeaveRequested as exc:
+            self._final_snapshot(state)
             self._leave(str(exc))
             raise SystemExit(0) from None
         finally:
@@ -313,6 +314,18 @@ class Peer:
         self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
+
+    def _final_snapshot(self, state: Any) -> None:
+        """Leaving on purpose (SIGTERM, drain) as rank 0 of the last group: write a durable
+        snapshot of the live state (a consistent version: the interrupt merged progress
+        first), so stopping the whole job gracefully loses nothing. Rank 0 alone leaving
+        writes one too: it cannot know whether anyone goes on, and it costs one write."""
+        if self.snapshots is None or self._group is None or self._group.assignment.rank != 0:
+            return
+        if self.snapshots.final(state, self._snapshot_info()):
+            log.warning("final snapshot written before leaving")
+        else:
+            log.warning("final snapshot not written (see above)")
 
     def _snapshot_info(self) -> SnapshotInfo:
         run = getattr(self.coordinator, "run", None)

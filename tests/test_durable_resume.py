@@ -11,7 +11,10 @@ train from scratch, which would pass the oracle too.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +116,42 @@ def test_kill_every_peer_then_resume(cluster: Cluster, tmp_path: Path, unique_jo
     out = "\n".join(line for p in peers for line in p.lines)
     assert "resuming job" in out
     assert ("cannot be loaded, trying an older one" in out) == corrupt
+
+
+def cli(etcd: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "peer_elastic.cli", *args, "--etcd", etcd],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
+        cluster: Cluster, tmp_path: Path, unique_job: str, etcd: str) -> None:
+    directory = SnapshotDir(tmp_path / "snaps", unique_job)
+    end = tmp_path / "end"  # long enough never to finish by itself; ended through this file
+    cluster.env.update(WORKER_EPOCHS="30", WORKER_END_FILE=str(end))
+    peers = cluster.start(2, PEER_ELASTIC_SNAPSHOT_EVERY=300)  # only the final one
+    wait_for(lambda: any(line.startswith("STEP 1 ") for line in peers[0].lines), 120,
+             "epoch 1", peers)
+    assert directory.names() == []
+    asked = time.time()
+    assert "asked all 2 members" in cli(etcd, "drain", "--all", "--job", unique_job)
+    for p in peers:
+        assert p.wait(60) == 0, p.output()
+    assert not results(peers), "drained, not finished"
+    final = directory.newest_valid()
+    assert final is not None and final.unix > asked and final.epoch >= 1
+    listed = json.loads(cli(etcd, "snapshots", "--json", "--job", unique_job))
+    assert [d["name"] for d in listed] == [final.id.name]
+    assert listed[0]["checksum"] == final.digest()
+
+    again = cluster.start(2, PEER_ELASTIC_SNAPSHOT_EVERY=300)  # the run still exists
+    again[0].wait_line("START", timeout=90)
+    status = json.loads(cli(etcd, "status", "--json", "--job", unique_job))
+    assert status["snapshot"]["name"] == final.id.name
+    end.touch()
+    result = finish(again)
+    firsts = [start_lines(p)[0] for p in again if start_lines(p)]
+    # Nothing lost: the restart begins exactly where the drained job stopped.
+    assert min(s[2] for s in firsts) == final.id.commits
+    assert result["epochs"] > final.epoch

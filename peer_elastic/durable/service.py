@@ -86,6 +86,17 @@ class DurableSnapshots:
         """On rank 0, right after a commit: start a snapshot if one is due."""
         return self.writer.offer(state, info, force=force)
 
+    def final(self, state: Any, info: SnapshotInfo, timeout: float = 120.0) -> bool:
+        """A snapshot of the live state now, whatever the interval, and wait for it (a
+        graceful stop: nothing done since the last snapshot is lost). Returns whether it was
+        written."""
+        writer = self.writer
+        writer.wait_idle(timeout)  # a write in flight holds the staging buffers
+        before = writer.written
+        if not writer.offer(state, info, force=True):
+            return False
+        return writer.wait_idle(timeout) and writer.written > before
+
     def resumer(self, state: Any, generation: int,
                 device: torch.device) -> Callable[[], Agreement | None]:
         return lambda: resume(state, self.directory, generation, device)

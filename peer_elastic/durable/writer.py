@@ -128,6 +128,7 @@ class SnapshotWriter:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._unsupported = False
+        self.written = 0  # snapshots written by this writer
 
     def due(self) -> bool:
         return self._clock() - self._last >= self.every_s
@@ -206,6 +207,7 @@ class SnapshotWriter:
             else:
                 log.info("snapshot %s written in %.2f s (%d bytes)", result.path,
                          result.seconds, result.manifest.total_bytes)
+                self.written += 1
                 if self._listener is not None:
                     self._listener.written(result)
             with self._cv:
