@@ -12,6 +12,8 @@ train from scratch, which would pass the oracle too.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,3 +157,22 @@ def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
     # Nothing lost: the restart begins exactly where the drained job stopped.
     assert min(s[2] for s in firsts) == final.id.commits
     assert result["epochs"] > final.epoch
+
+
+def test_readme_snapshot_example_runs(etcd: str, unique_job: str, tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Durable snapshots", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for old, new in (('etcd="127.0.0.1:2379"', f'etcd="{etcd}"'),
+                     ('job="demo"', f'job="{unique_job}"'),
+                     ('snapshot_dir="/shared/snapshots"', f'snapshot_dir="{tmp_path}"'),
+                     ("snapshot_every_s=60", "snapshot_every_s=0.2")):
+        assert old in code
+        code = code.replace(old, new)
+    script = tmp_path / "readme_snapshots.py"
+    script.write_text(code)
+    env = {**os.environ, "PEER_ELASTIC_START_SETTLE": "0.2"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert SnapshotDir(tmp_path, unique_job).newest_valid() is not None
