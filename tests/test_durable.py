@@ -263,3 +263,47 @@ def test_a_full_disk(tmp_path: Path) -> None:
         state.commit()  # training goes on
     finally:
         subprocess.run(["umount", "-l", str(mnt)], timeout=10)
+
+
+def test_two_jobs_sharing_a_directory_never_mix(tmp_path: Path) -> None:
+    a, b = SnapshotDir(tmp_path, "job-a"), SnapshotDir(tmp_path, "job-b")
+    wa = SnapshotWriter(a, every_s=300, keep=1)
+    wb = SnapshotWriter(b, every_s=300, keep=1)
+    sa, sb = make_state(0), make_state(1)
+    for _ in range(3):
+        sa.commit()
+        write_one(wa, sa)
+    sb.commit()
+    write_one(wb, sb)
+    # Each job's retention kept its own newest; neither touched the other's.
+    assert [s.commits for s in a.names()] == [3] and [s.commits for s in b.names()] == [1]
+    assert a.newest_valid().job == "job-a" and b.newest_valid().job == "job-b"
+    # A snapshot copied into the other job's directory is refused (its manifest says whose).
+    import shutil
+
+    shutil.copytree(a.snapshot_path(a.names()[0]), b.path / a.names()[0].name)
+    with pytest.raises(CorruptSnapshot, match="job-a"):
+        b.verify(a.names()[0])
+    assert b.newest_valid().id.commits == 1
+
+
+def test_snapshot_records_and_keys() -> None:
+    from peer_elastic.errors import RecordError
+    from peer_elastic.etcd.keys import JobKeys, KeyKind, parse
+    from peer_elastic.records import SnapshotRecord, decode, encode
+
+    name = SnapshotId(12, 1_700_000_000_000_000_000).name
+    rec = SnapshotRecord(name=name, path="/s/j/" + name, commits=12, epoch=1, step=12,
+                         unix=1.7e9, checksum="ab" * 32, run_id="r1-x", bytes=10, host="h")
+    assert decode(SnapshotRecord, encode(rec)) == rec
+    for bad in (dict(name="../x"), dict(checksum="nope"), dict(path="")):
+        broken = SnapshotRecord()
+        broken.CopyFrom(rec)
+        for k, v in bad.items():
+            setattr(broken, k, v)
+        with pytest.raises(RecordError):
+            decode(SnapshotRecord, encode(broken))
+    key = JobKeys("j").snapshot(name)
+    assert key == f"/peer-elastic/j/snapshots/{name}"
+    parsed = parse(key)
+    assert parsed is not None and parsed.kind is KeyKind.SNAPSHOT and parsed.name == name
