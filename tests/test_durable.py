@@ -307,3 +307,35 @@ def test_snapshot_records_and_keys() -> None:
     assert key == f"/peer-elastic/j/snapshots/{name}"
     parsed = parse(key)
     assert parsed is not None and parsed.kind is KeyKind.SNAPSHOT and parsed.name == name
+
+
+def test_snapshot_records_in_etcd_beside_a_running_job(etcd: str, unique_job: str) -> None:
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+    from peer_elastic.etcd.snapshot_records import (
+        forget_snapshots,
+        list_snapshots,
+        record_snapshot,
+    )
+    from peer_elastic.records import SnapshotRecord
+
+    client = EtcdClient(etcd)
+    c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
+    try:
+        c.wait_generation(0, timeout=10)
+        names = [SnapshotId(n, 1_700_000_000_000_000_000 + n).name for n in (2, 1)]
+        for name in names:
+            record_snapshot(client, unique_job, SnapshotRecord(
+                name=name, path="/x/" + name, unix=1.7e9, checksum="0" * 64, commits=1))
+        assert [r.name for r in list_snapshots(client, unique_job)] == sorted(names)
+        forget_snapshots(client, unique_job, [names[1]])
+        assert [r.name for r in list_snapshots(client, unique_job)] == [names[0]]
+        # The job's own watch sees these keys and ignores them: no "malformed" report. (A
+        # progress record written after them shows the watch got that far.)
+        c.record_progress(epoch=1, batch=1, step=1, generation=1, world_size=1)
+        assert c.view.wait_for(lambda s: s.progress is not None, 10) is not None
+        assert not [k for k in c.view.malformed if "/snapshots/" in k]
+    finally:
+        c.close(leave=True)
+        client.close()
