@@ -178,3 +178,23 @@ def test_readme_snapshot_example_runs(etcd: str, unique_job: str, tmp_path: Path
                        timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert SnapshotDir(tmp_path, unique_job).newest_valid() is not None
+
+
+def test_sigterm_of_the_last_peer_writes_a_final_snapshot(cluster: Cluster, tmp_path: Path,
+                                                          unique_job: str) -> None:
+    directory = SnapshotDir(tmp_path / "snaps", unique_job)
+    end = tmp_path / "end"
+    cluster.env.update(WORKER_EPOCHS="30", WORKER_END_FILE=str(end),
+                       PEER_ELASTIC_SNAPSHOT_EVERY="300")
+    (peer,) = cluster.start(1)
+    peer.wait_line("STEP 1 ", timeout=120)
+    asked = time.time()
+    peer.signal(signal.SIGTERM)  # systemctl stop, a preemption notice
+    assert peer.wait(60) == 0, peer.output()
+    final = directory.newest_valid()
+    assert final is not None and final.unix > asked, peer.output()
+    (again,) = cluster.start(1)
+    again.wait_line("START", timeout=90)
+    end.touch()
+    finish([again])
+    assert start_lines(again)[0][2] == final.id.commits
