@@ -125,6 +125,7 @@ class SnapshotWriter:
         self._cv = threading.Condition()
         self._job: tuple[SnapshotId, dict[str, torch.Tensor], bytes, Manifest] | None = None
         self._busy = False
+        self._skip_counted = False
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._unsupported = False
@@ -145,12 +146,13 @@ class SnapshotWriter:
         if self._unsupported or not (force or self.due()):
             return False
         with self._cv:
-            if self._busy:
-                busy = True
-            else:
-                busy = False
+            if self._stopped:
+                return False
+            busy, count_skip = self._busy, self._busy and not self._skip_counted
+            if count_skip:
+                self._skip_counted = True  # one skip per write in flight, not per commit
         if busy:
-            if self._listener is not None:
+            if count_skip and self._listener is not None:
                 self._listener.skipped()
             return False
         try:
@@ -171,6 +173,7 @@ class SnapshotWriter:
         with self._cv:
             self._job = (sid, staged, payload, manifest)
             self._busy = True
+            self._skip_counted = False
             self._last = self._clock()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="snapshot-writer",
