@@ -198,3 +198,23 @@ def test_sigterm_of_the_last_peer_writes_a_final_snapshot(cluster: Cluster, tmp_
     end.touch()
     finish([again])
     assert start_lines(again)[0][2] == final.id.commits
+
+
+def test_a_full_disk_does_not_stop_training(etcd: str, unique_job: str, tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], capture_output=True,
+        timeout=10).returncode == 0
+    if not mounted:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    c = Cluster(etcd, unique_job, PEER_ELASTIC_SNAPSHOT_DIR=mnt, **SETTINGS)
+    try:
+        (peer,) = c.start(1)
+        finish([peer])  # the oracle holds: every sample once, snapshots or not
+        out = peer.output()
+        assert "durable snapshot" in out and "not written" in out, out
+        assert SnapshotDir(mnt, unique_job).newest_valid() is None
+    finally:
+        c.close()
+        subprocess.run(["umount", "-l", str(mnt)], timeout=10)
