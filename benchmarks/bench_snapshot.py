@@ -17,7 +17,7 @@ about 600 MB (parameters and two moment buffers). Measured, in one run:
   fresh model and optimizer (what the loading rank does; the others then get it by the
   ordinary state sync, measured in docs/benchmarks-recovery.md).
 
-    python benchmarks/bench_snapshot.py --dir /path/on/the/disk/to/measure [--json out.json]
+    python benchmarks/bench_snapshot.py --dir /path/on/the/disk/to/measure [--out snapshot.json]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--interval", type=float, default=5.0, help="snapshot interval measured")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
-    ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--out", default=None, help="write the results here too (JSON)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,8 +168,8 @@ def main() -> None:
         "dir": str(root),
     }
     print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
