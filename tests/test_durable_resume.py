@@ -79,6 +79,17 @@ def kill_all_after_a_snapshot(cluster: Cluster, n: int, directory: SnapshotDir) 
     return directory.newest_valid().id.commits
 
 
+def end_after_resumed_epoch(p: PeerProc, end: Path) -> None:
+    """Create the end file once ``p`` trains inside the resumed epoch: the job then ends at
+    the next epoch start, so it ends on whole epochs (created before the resumed epoch's own
+    start check, it would end the job mid-epoch and the oracle would count that epoch short)."""
+    start = p.wait_line("START", timeout=90)
+    with p.cond:
+        after = p.lines.index(start)
+    p.wait_line("STEP", timeout=90, after=after)
+    end.touch()
+
+
 def finish(peers: list[PeerProc]) -> dict:
     for p in peers:
         assert p.wait(120) == 0, p.output()
@@ -153,7 +164,7 @@ def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
     again[0].wait_line("START", timeout=90)
     status = json.loads(cli(etcd, "status", "--json", "--job", unique_job))
     assert status["snapshot"]["name"] == final.id.name
-    end.touch()
+    end_after_resumed_epoch(again[0], end)
     result = finish(again)
     firsts = [start_lines(p)[0] for p in again if start_lines(p)]
     # Nothing lost: the restart begins exactly where the drained job stopped.
@@ -194,8 +205,7 @@ def test_sigterm_of_the_last_peer_writes_a_final_snapshot(cluster: Cluster, tmp_
     final = directory.newest_valid()
     assert final is not None and final.unix > asked, peer.output()
     (again,) = cluster.start(1)
-    again.wait_line("START", timeout=90)
-    end.touch()
+    end_after_resumed_epoch(again, end)
     finish([again])
     assert start_lines(again)[0][2] == final.id.commits
 
