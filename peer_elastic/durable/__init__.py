@@ -10,4 +10,10 @@ the loss of all of them. One module per job:
 * :mod:`.resume`: when a group forms in which nobody holds committed state of the run,
   the ranks agree on the newest valid snapshot any of them can read; one loads it and the
   normal state sync hands it to the others.
+* :mod:`.service`: what a :class:`~peer_elastic.elastic.Peer` holds: the writer, the resume
+  hook, the final snapshot of a graceful stop, and the etcd records
+  (:mod:`peer_elastic.etcd.snapshot_records`) and counters the writer thread reports into.
+
+Dependencies point one way: ``elastic -> durable.service -> durable.{writer,resume} ->
+durable.layout``; nothing here imports ``elastic``, and ``layout`` imports no torch.
 """
