@@ -180,7 +180,8 @@ class _CoordinatorStats:
     """``Coordinator.stats`` and the peer's :class:`~peer_elastic.observer.PeerStats` as
     counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
     (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
-    did; collectives_abandoned: what its hang watchdog did)."""
+    did; collectives_abandoned: what its hang watchdog did; snapshots_*: its durable
+    snapshot writer)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
@@ -189,6 +190,10 @@ class _CoordinatorStats:
         "dropped": "Silent members this peer dropped as leader (no ack within join_timeout)",
         "collectives_abandoned": "Groups whose stuck collectives this peer abandoned because "
                                  "a member's lease ended",
+        "snapshots_written": "Durable snapshots this peer wrote",
+        "snapshots_failed": "Durable snapshots this peer failed to write (training went on)",
+        "snapshots_skipped": "Due durable snapshots this peer skipped because the previous "
+                             "write was still in flight",
     }
 
     def __init__(self, peer: Peer) -> None:
