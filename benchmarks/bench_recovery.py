@@ -779,6 +779,20 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str])
     return out
 
 
+def run_plan(systems: list[str], scenarios: list[str], pe_repeat: int, repeat: int,
+             interleave: bool) -> list[tuple[str, str, int]]:
+    """(system, scenario, repetition) in the order they run: each system's runs in a row,
+    or, with ``interleave``, round by round (repetition i of every scenario on every system,
+    side by side, before repetition i + 1), so that a machine whose load drifts hits every
+    system alike."""
+    reps = {sy: pe_repeat if sy.startswith("peer-elastic") else repeat for sy in systems}
+    plan = [(sy, sc, i) for sy in systems for sc in scenarios for i in range(reps[sy])]
+    if interleave:
+        # Within a round, one scenario on every system, then the next scenario.
+        plan.sort(key=lambda run: (run[2], scenarios.index(run[1])))
+    return plan
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -807,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs per torchrun scenario, either rendezvous (1)")
     ap.add_argument("--pe-repeat", type=int, default=None,
                     help="runs per peer-elastic scenario (default 3; quick 1)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run round by round (every system and scenario once, then again) "
+                         "instead of each system's runs in a row: fairer on a shared machine")
     ap.add_argument("--ckpt-every", type=int, default=10, help="torchrun checkpoint period (10)")
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts (10)")
     ap.add_argument("--logs", default=None, help="keep every process's output in this dir")
@@ -839,26 +856,27 @@ def main(argv: list[str] | None = None) -> int:
 
             server = EtcdServer().start()
             endpoint = server.endpoint
+        plan = run_plan(systems, scenarios, pe_repeat, args.repeat, args.interleave)
+        all_runs: dict[tuple[str, str], list[Outcome]] = {}
+        for system, scenario, i in plan:
+            r = run_scenario(system, scenario, args, endpoint, work, log_dir)
+            all_runs.setdefault((system, scenario), []).append(r)
+            shown = (f"all {r.recovery_all_s:.2f} s, first {r.recovery_first_s:.2f} s, "
+                     f"stall {r.stall_s:.2f} s, {r.redone_steps} re-done"
+                     if r.ok else f"ended {r.ended_s:.1f} s" if r.job_ended
+                     else f"ERROR {r.error}")
+            extra = "".join([
+                f" (target {r.target_member} rank {r.target_rank} exit "
+                f"{r.target_exit} after {r.target_exit_s or 0:.2f} s)"
+                if r.target_rank is not None else "",
+                f" LEFTOVERS {r.leftovers}" if r.leftovers else "",
+                f" notes: {'; '.join(r.notes)}" if r.notes else ""])
+            print(f"[{time.monotonic() - t0:6.1f} s] {system:18} {scenario:12} "
+                  f"#{i + 1}: {shown}{extra}", flush=True)
         for system in systems:
-            reps = pe_repeat if system.startswith("peer-elastic") else args.repeat
             for scenario in scenarios:
-                runs = []
-                for i in range(reps):
-                    r = run_scenario(system, scenario, args, endpoint, work, log_dir)
-                    runs.append(r)
-                    shown = (f"all {r.recovery_all_s:.2f} s, first {r.recovery_first_s:.2f} s, "
-                             f"stall {r.stall_s:.2f} s, {r.redone_steps} re-done"
-                             if r.ok else f"ended {r.ended_s:.1f} s" if r.job_ended
-                             else f"ERROR {r.error}")
-                    extra = "".join([
-                        f" (target {r.target_member} rank {r.target_rank} exit "
-                        f"{r.target_exit} after {r.target_exit_s or 0:.2f} s)"
-                        if r.target_rank is not None else "",
-                        f" LEFTOVERS {r.leftovers}" if r.leftovers else "",
-                        f" notes: {'; '.join(r.notes)}" if r.notes else ""])
-                    print(f"[{time.monotonic() - t0:6.1f} s] {system:18} {scenario:12} "
-                          f"#{i + 1}: {shown}{extra}", flush=True)
-                results.setdefault(system, {})[scenario] = merge(runs)
+                if (system, scenario) in all_runs:
+                    results.setdefault(system, {})[scenario] = merge(all_runs[system, scenario])
     finally:
         if server is not None:
             server.stop()
