@@ -68,7 +68,7 @@ Measured per scenario, from the lines the workers print (``STEP <step> <unix tim
 
 Usage::
 
-    python benchmarks/bench_recovery.py --out results.json           # everything (~7-9 min)
+    python benchmarks/bench_recovery.py --out results.json           # everything (~10-12 min)
     python benchmarks/bench_recovery.py --quick --out quick.json     # peer-elastic + tuned
     python benchmarks/bench_recovery.py --systems peer-elastic --scenarios kill-leader
     python benchmarks/bench_recovery.py --systems torchrun-tuned,torchrun-pe,torchrun-pe-tuned \
