@@ -491,11 +491,16 @@ def test_standbys_never_form_a_round_beside_a_running_one(etcd: str, unique_job:
         assert not infos.keys() & {2, 3}
         back = run(1)
         back[0].join(30)
-        assert _round(etcd, unique_job)["round"] == 2
+        rnd = _round(etcd, unique_job)
+        assert rnd["round"] == 2
         assert (infos[1].rank, infos[1].world_size) == (0, 2)
-        waited = [i for i in (2, 3) if i in infos]
-        assert len(waited) == 1 and infos[waited[0]].rank == 1  # the older standby
-        idle = ({2, 3} - set(waited)).pop()
+        ids = [h.agent_id for h in handlers]
+        assert rnd["members"][0] == ids[1] and rnd["members"][1] in (ids[2], ids[3])
+        stepped_in = ids.index(rnd["members"][1])
+        standbys[stepped_in - 2].join(30)
+        assert (infos[stepped_in].rank, infos[stepped_in].world_size) == (1, 2)
+        idle = ({2, 3} - {stepped_in}).pop()
+        assert idle not in infos  # still standing by
         handlers[1].set_closed()
         standbys[idle - 2].join(30)
         assert isinstance(infos[idle], SystemExit) and infos[idle].code == 0
