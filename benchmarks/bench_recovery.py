@@ -19,6 +19,12 @@ Systems:
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set for both (with gloo, restarted workers
   otherwise read stale addresses and fail). Tuned adds
   ``--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``.
+* ``torchrun-pe`` / ``torchrun-pe-tuned``: the same agents, worker and checkpoints, with
+  peer-elastic's torchrun rendezvous instead of c10d (``--rdzv-backend=peer-elastic``,
+  ``--rdzv-endpoint`` = the etcd this script starts); no agent is special, so the "leader"
+  is the agent of group rank 0 (the oldest). Default: the plugin's defaults (``lease_ttl=5``,
+  ``last_call_timeout=2``, ``settle=0.3``); tuned: ``lease_ttl=3,last_call_timeout=1`` (the
+  3 s failure detection and 1 s last call of torchrun-tuned).
 
 Scenarios (the member hit is chosen from the workers' own output):
 
@@ -27,7 +33,8 @@ Scenarios (the member hit is chosen from the workers' own output):
   rank 0). torchrun's agent and its worker are killed together (a node crash); a
   peer-elastic peer is one process.
 * ``kill-leader``: SIGKILL of the leader (peer-elastic: rank 0 = the oldest member;
-  torchrun: the agent hosting the c10d store, with its worker).
+  torchrun: the agent hosting the c10d store, with its worker; torchrun-pe: the agent of
+  group rank 0, with its worker).
 * ``sigterm``: SIGTERM of one non-leader member (peer-elastic: the peer, which leaves
   gracefully; torchrun: the agent, as ``kill <pid>`` of a launcher).
 * ``hang``: SIGSTOP of the training process of a non-leader member, which stays stopped:
@@ -61,9 +68,11 @@ Measured per scenario, from the lines the workers print (``STEP <step> <unix tim
 
 Usage::
 
-    python benchmarks/bench_recovery.py --out results.json           # everything (~7-9 min)
+    python benchmarks/bench_recovery.py --out results.json           # everything (~10-12 min)
     python benchmarks/bench_recovery.py --quick --out quick.json     # peer-elastic + tuned
     python benchmarks/bench_recovery.py --systems peer-elastic --scenarios kill-leader
+    python benchmarks/bench_recovery.py --systems torchrun-tuned,torchrun-pe,torchrun-pe-tuned \
+        --scenarios kill-worker,kill-leader,sigterm,join --repeat 3     # the rendezvous backends
 """
 
 from __future__ import annotations
@@ -92,12 +101,16 @@ PE_WORKER = HERE / "recovery_worker.py"
 TR_WORKER = HERE / "torchrun_worker.py"
 
 SCENARIOS = ("kill-worker", "kill-leader", "sigterm", "join", "hang")
-SYSTEMS = ("peer-elastic", "peer-elastic-tuned", "torchrun-tuned", "torchrun-default")
-ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-no-abandon")
+SYSTEMS = ("peer-elastic", "peer-elastic-tuned", "torchrun-tuned", "torchrun-default",
+           "torchrun-pe")
+ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-no-abandon", "torchrun-pe-tuned")
+#: torchrun with peer-elastic's rendezvous (--rdzv-backend=peer-elastic) instead of c10d.
+TORCHRUN_PE = ("torchrun-pe", "torchrun-pe-tuned")
 QUICK_SCENARIOS = ("kill-worker", "sigterm", "join")
 QUICK_SYSTEMS = ("peer-elastic", "torchrun-tuned")
 
 TUNED_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+PE_RDZV_TUNED = "lease_ttl=3,last_call_timeout=1"
 PE_TUNED = {"PEER_ELASTIC_LEASE_TTL": "2", "PEER_ELASTIC_JOIN_TIMEOUT": "0.5"}
 
 #: Targets from the issue: join and graceful leave within 0.5 s with no work re-done, a
@@ -113,7 +126,8 @@ TARGET_HANG_S = 5.0 + 1.0 + 2.0
 START_TIMEOUT_S = 150.0  # torchrun's default last call alone is 30 s
 RECOVERY_TIMEOUT_S = {"peer-elastic": 60.0, "peer-elastic-tuned": 60.0,
                       "peer-elastic-no-abandon": 90.0,
-                      "torchrun-tuned": 120.0, "torchrun-default": 180.0}
+                      "torchrun-tuned": 120.0, "torchrun-default": 180.0,
+                      "torchrun-pe": 120.0, "torchrun-pe-tuned": 120.0}
 ENDED_TIMEOUT_S = 120.0
 
 AGENT_BOOT = ("import sys, time; import torch.distributed.run as r; "
@@ -413,37 +427,55 @@ class PeerElasticJob(Job):
 
 
 class TorchrunJob(Job):
-    def __init__(self, tag: str, log_dir: Path | None, tuned: bool, nnodes: str,
-                 ckpt_dir: Path, ckpt_every: int, max_restarts: int) -> None:
+    """torchrun agents with the c10d rendezvous (``torchrun-tuned`` / ``-default``) or with
+    peer-elastic's (``torchrun-pe`` / ``-pe-tuned``, on ``endpoint``)."""
+
+    def __init__(self, tag: str, log_dir: Path | None, system: str, nnodes: str,
+                 ckpt_dir: Path, ckpt_every: int, max_restarts: int,
+                 endpoint: str | None = None) -> None:
         from peer_elastic.etcd_server import free_port
 
-        self.system = "torchrun-tuned" if tuned else "torchrun-default"
-        self.port = free_port()
-        self.tuned = tuned
+        self.system = system
+        self.pe = system in TORCHRUN_PE
+        if self.pe and not endpoint:
+            raise ValueError(f"{system} needs an etcd endpoint")
+        self.endpoint = endpoint if self.pe else f"127.0.0.1:{free_port()}"
+        self.tuned = system.endswith("tuned")
         self.nnodes = nnodes
         self.max_restarts = max_restarts
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                    BENCH_CKPT=str(ckpt_dir / f"ckpt-{tag}.pt"), BENCH_CKPT_EVERY=str(ckpt_every))
+        for k in [k for k in env if k.startswith("PEER_ELASTIC_")]:
+            env.pop(k)  # the plugin's settings come from --rdzv-conf only
         super().__init__(tag, log_dir, env)
 
     def command(self, index: int) -> list[str]:
-        conf = f"is_host={'true' if index == 0 else 'false'}"
-        if self.tuned:
-            conf += "," + TUNED_RDZV
+        if self.pe:
+            backend = "peer-elastic"
+            conf = PE_RDZV_TUNED if self.tuned else ""
+        else:
+            backend = "c10d"
+            conf = f"is_host={'true' if index == 0 else 'false'}"
+            if self.tuned:
+                conf += "," + TUNED_RDZV
         return [
             sys.executable, "-c", AGENT_BOOT,
             f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
-            f"--rdzv-id=bench-{self.tag}", f"--rdzv-conf={conf}",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id=bench-{self.tag}", *([f"--rdzv-conf={conf}"] if conf else []),
             f"--max-restarts={self.max_restarts}", str(TR_WORKER),
         ]
 
     def leader(self) -> Member:
+        if self.pe:  # no store host: the agent of group rank 0 (the oldest)
+            m = _rank_holder(self, 0)
+            assert m is not None, "no rank 0"
+            return m
         return self.members[0]  # the c10d store host
 
     def non_leader(self) -> Member:
         rank0 = _rank_holder(self, 0)
-        for m in self.members[1:]:
+        for m in self.members[0 if self.pe else 1:]:
             if m is not rank0 and m.alive():
                 return m
         raise AssertionError("no agent that is neither the store host nor rank 0")
@@ -550,8 +582,8 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
         job: Job = PeerElasticJob(tag, log_dir, endpoint, system)
     else:
         nnodes = f"{n}:{n + 1}" if scenario == "join" else f"{n - 1}:{n}"
-        job = TorchrunJob(tag, log_dir, system.endswith("tuned"), nnodes, work,
-                          args.ckpt_every, args.max_restarts)
+        job = TorchrunJob(tag, log_dir, system, nnodes, work, args.ckpt_every,
+                          args.max_restarts, endpoint)
     try:
         for _ in range(n):
             job.start()
@@ -665,7 +697,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str],
           systems: list[str]) -> str:
     cols = ["scenario", *systems]
     pe = "peer-elastic" if "peer-elastic" in systems else None
-    ratio_cols = [s for s in systems if s.startswith("torchrun")] if pe else []
+    ratio_cols = [s for s in systems if s.startswith("torchrun") and s not in TORCHRUN_PE
+                  ] if pe else []
     cols += [f"{s.removeprefix('torchrun-')} / pe" for s in ratio_cols]
     rows = []
     for sc in scenarios:
@@ -746,6 +779,20 @@ def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str])
     return out
 
 
+def run_plan(systems: list[str], scenarios: list[str], pe_repeat: int, repeat: int,
+             interleave: bool) -> list[tuple[str, str, int]]:
+    """(system, scenario, repetition) in the order they run: each system's runs in a row,
+    or, with ``interleave``, round by round (repetition i of every scenario on every system,
+    side by side, before repetition i + 1), so that a machine whose load drifts hits every
+    system alike."""
+    reps = {sy: pe_repeat if sy.startswith("peer-elastic") else repeat for sy in systems}
+    plan = [(sy, sc, i) for sy in systems for sc in scenarios for i in range(reps[sy])]
+    if interleave:
+        # Within a round, one scenario on every system, then the next scenario.
+        plan.sort(key=lambda run: (run[2], scenarios.index(run[1])))
+    return plan
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -770,9 +817,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=30, help="steps before the event (30)")
     ap.add_argument("--after", type=int, default=20,
                     help="steps every rank of the new group trains before the stop (20)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per torchrun scenario (1)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per torchrun scenario, either rendezvous (1)")
     ap.add_argument("--pe-repeat", type=int, default=None,
                     help="runs per peer-elastic scenario (default 3; quick 1)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run round by round (every system and scenario once, then again) "
+                         "instead of each system's runs in a row: fairer on a shared machine")
     ap.add_argument("--ckpt-every", type=int, default=10, help="torchrun checkpoint period (10)")
     ap.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts (10)")
     ap.add_argument("--logs", default=None, help="keep every process's output in this dir")
@@ -800,31 +851,32 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         endpoint = None
-        if any(s.startswith("peer-elastic") for s in systems):
+        if any(s.startswith("peer-elastic") or s in TORCHRUN_PE for s in systems):
             from peer_elastic.etcd_server import EtcdServer
 
             server = EtcdServer().start()
             endpoint = server.endpoint
+        plan = run_plan(systems, scenarios, pe_repeat, args.repeat, args.interleave)
+        all_runs: dict[tuple[str, str], list[Outcome]] = {}
+        for system, scenario, i in plan:
+            r = run_scenario(system, scenario, args, endpoint, work, log_dir)
+            all_runs.setdefault((system, scenario), []).append(r)
+            shown = (f"all {r.recovery_all_s:.2f} s, first {r.recovery_first_s:.2f} s, "
+                     f"stall {r.stall_s:.2f} s, {r.redone_steps} re-done"
+                     if r.ok else f"ended {r.ended_s:.1f} s" if r.job_ended
+                     else f"ERROR {r.error}")
+            extra = "".join([
+                f" (target {r.target_member} rank {r.target_rank} exit "
+                f"{r.target_exit} after {r.target_exit_s or 0:.2f} s)"
+                if r.target_rank is not None else "",
+                f" LEFTOVERS {r.leftovers}" if r.leftovers else "",
+                f" notes: {'; '.join(r.notes)}" if r.notes else ""])
+            print(f"[{time.monotonic() - t0:6.1f} s] {system:18} {scenario:12} "
+                  f"#{i + 1}: {shown}{extra}", flush=True)
         for system in systems:
-            reps = pe_repeat if system.startswith("peer-elastic") else args.repeat
             for scenario in scenarios:
-                runs = []
-                for i in range(reps):
-                    r = run_scenario(system, scenario, args, endpoint, work, log_dir)
-                    runs.append(r)
-                    shown = (f"all {r.recovery_all_s:.2f} s, first {r.recovery_first_s:.2f} s, "
-                             f"stall {r.stall_s:.2f} s, {r.redone_steps} re-done"
-                             if r.ok else f"ended {r.ended_s:.1f} s" if r.job_ended
-                             else f"ERROR {r.error}")
-                    extra = "".join([
-                        f" (target {r.target_member} rank {r.target_rank} exit "
-                        f"{r.target_exit} after {r.target_exit_s or 0:.2f} s)"
-                        if r.target_rank is not None else "",
-                        f" LEFTOVERS {r.leftovers}" if r.leftovers else "",
-                        f" notes: {'; '.join(r.notes)}" if r.notes else ""])
-                    print(f"[{time.monotonic() - t0:6.1f} s] {system:18} {scenario:12} "
-                          f"#{i + 1}: {shown}{extra}", flush=True)
-                results.setdefault(system, {})[scenario] = merge(runs)
+                if (system, scenario) in all_runs:
+                    results.setdefault(system, {})[scenario] = merge(all_runs[system, scenario])
     finally:
         if server is not None:
             server.stop()

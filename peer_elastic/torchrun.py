@@ -25,9 +25,22 @@ Keys (``P = /peer-elastic-torchrun/<run id>/``)::
 
 The oldest *waiting* agent (smallest create revision of its ``agents/`` key) writes the next
 round when at least ``min_nodes`` wait and either ``max_nodes`` wait, every live agent waits
-(after ``settle``), or the set of waiting agents has been unchanged for ``last_call_timeout``.
-Ranks follow age, so the oldest agent is group rank 0. A dead agent's keys vanish with its
-lease (``lease_ttl``); nothing else depends on it.
+(after ``settle``), or the set of waiting agents has been unchanged for ``last_call_timeout``;
+but never while every live member of the current round still trains in it (none has come
+back to wait): standbys and newcomers do not start a group beside a running one. A member
+that is not back ``last_call_timeout`` after another is (its key not yet expired) is left out. Ranks follow age, so the oldest agent is group rank 0.
+A dead agent's keys vanish with its lease (``lease_ttl``); an agent that exits (SIGTERM
+included) deletes them at once; nothing else depends on any one agent.
+
+Agents beyond ``max_nodes`` stand by: they wait in ``waiting/`` without disturbing the
+running round (``num_nodes_waiting()`` is 0 at ``max_nodes``), take a place in the next round
+when a member is lost (oldest first), and exit 0 when the job finishes (the rendezvous is
+closed) or fail after ``join_timeout``.
+
+Group rank 0 publishes MASTER_ADDR: torchrun's ``--local-addr`` if given, otherwise the
+address :mod:`peer_elastic.netaddr` chooses, as for a peer (``PEER_ELASTIC_ADDR``,
+``PEER_ELASTIC_IFNAME``, else the interface that routes to the etcd endpoints), whose
+interface each agent also hands to its workers' gloo (``GLOO_SOCKET_IFNAME``).
 
 ``--rdzv-conf`` keys: ``lease_ttl`` (5 s), ``last_call_timeout`` (2 s), ``settle`` (0.3 s),
 ``join_timeout`` (600 s), ``run_ttl`` (60 s: how long the job's keys outlive its last agent),
@@ -50,8 +63,24 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed import DistStoreError, Store
-from torch.distributed.elastic.rendezvous import (
+
+def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it with no arguments.
+
+    Defined before this module imports torch's rendezvous package: importing that package
+    loads every ``torchrun.handlers`` entry point, this one included, so a program that
+    imports ``peer_elastic.torchrun`` first finds it half-imported; ``register`` (and the
+    factory it returns, which looks :func:`create_handler` up when called) must exist by then.
+    """
+    return _create_handler
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return create_handler(params)
+
+
+from torch.distributed import DistStoreError, Store  # noqa: E402 - after register (above)
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousClosedError,
     RendezvousHandler,
     RendezvousInfo,
@@ -60,10 +89,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from peer_elastic.errors import EtcdError, LeaseNotFound
-from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn, client_from_env
-from peer_elastic.etcd.lease import LeaseKeeper, Session
-from peer_elastic.etcd.watch import PrefixWatch
+from peer_elastic.errors import EtcdError, LeaseNotFound  # noqa: E402
+from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn, client_from_env  # noqa: E402
+from peer_elastic.etcd.lease import LeaseKeeper, Session  # noqa: E402
+from peer_elastic.etcd.watch import PrefixWatch  # noqa: E402
+from peer_elastic.netaddr import NetChoice, select_address  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +216,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         self._watch: PrefixWatch | None = None
         self._round = 0
         self._store: EtcdV3Store | None = None
+        self._net: NetChoice | None = None
         self._shut = False
         atexit.register(self._leave)
 
@@ -245,6 +276,26 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             self._watch.start()
         return agent
 
+    def _address(self) -> NetChoice:
+        """This agent's address, chosen once as a peer chooses its own (``netaddr``):
+        ``PEER_ELASTIC_ADDR``, ``PEER_ELASTIC_IFNAME``, the user's ``GLOO_SOCKET_IFNAME``, or
+        the interface that routes to the etcd endpoints. The interface goes to gloo (and
+        nccl) through this process's environment, which torchrun's workers inherit."""
+        if self._net is None:
+            endpoints = [(e.host, e.port) for e in getattr(self._client, "endpoints", ())]
+            self._net = select_address(endpoints)
+            log.info("agent %s: address %s (%s%s)", self.agent_id,
+                     self._net.address or "unknown", self._net.how,
+                     f", interface {self._net.ifname}" if self._net.ifname else "")
+        return self._net
+
+    def master_addr(self) -> str:
+        """What this agent publishes as MASTER_ADDR when it is group rank 0: torchrun's
+        ``--local-addr`` if given, else :meth:`_address` (not torch's ``socket.getfqdn()``,
+        which is 127.0.1.1 on many Debian/Ubuntu hosts)."""
+        net = self._address()  # also for the interface it hands to gloo
+        return self._params.local_addr or net.address or socket.getfqdn()
+
     # -- reading the state ------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
@@ -295,6 +346,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+        master_addr = self.master_addr()
         agent = self._register()
         after = self._state()["round"]["round"]
         waiting_key = self._k(f"waiting/{self.agent_id}")
@@ -310,8 +362,15 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             if doc["round"] > after and self.agent_id in doc["members"]:
                 break
             if state["closed"]:
+                # Only a finished job closes the rendezvous (shutdown): a standby, or an
+                # agent waiting to rejoin, has nothing left to do. torch's own way to say so,
+                # RendezvousGracefulExitError, makes torch 2.13's launcher fail on it
+                # ('NoneType' object has no attribute 'is_failed', exit 1); SystemExit(0)
+                # goes through the agent's and the launcher's cleanup and exits 0.
                 self._client.delete(waiting_key)
-                raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+                log.warning("agent %s: the job %r finished while this agent waited for a "
+                            "round; exiting", self.agent_id, self._run_id)
+                raise SystemExit(0)
             if agent.lost.is_set():  # cut off longer than the lease: register again
                 agent = self._register()
                 self._client.put(waiting_key, json.dumps({"after": after}).encode(),
@@ -337,19 +396,37 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         log.info("agent %s: round %d, rank %d of %d", self.agent_id, self._round, rank, world)
         self._store = EtcdV3Store(self._client, self._k(f"store/{self._round}/"),
                                   self._job_lease_id, self._store_timeout)
-        bootstrap = RendezvousStoreInfo.build(rank, self._store, self._params.local_addr)
+        bootstrap = RendezvousStoreInfo.build(rank, self._store, master_addr)
         return RendezvousInfo(self._store, rank, world, bootstrap)
 
     def _maybe_form(self, state: dict[str, Any], waiting: list[str], quiet_s: float) -> None:
-        """As the oldest waiting agent: write the next round if it is time."""
+        """As the oldest waiting agent: write the next round if it is time.
+
+        A member of the current round whose agent key is there but who does not wait is
+        still training in that round. While no member of the round waits, the round is
+        intact: a round formed beside it would be a second job (standbys beyond MAX, or
+        newcomers, starting a group of their own), so none is. Once one member is back (its
+        workers failed, or it restarts them for newcomers: ``num_nodes_waiting``), the others
+        get ``last_call_timeout`` of quiet to come back too; one that has not by then is
+        left out (it died and its lease has not expired yet, or it hangs). A member that
+        exits deletes its key at once (SIGTERM included)."""
         n, current = len(waiting), state["round"]["round"]
         if n < self._min:
             return
+        in_round = state["round"]["members"]
+        out = [m for m in in_round if m in state["agents"] and m not in waiting]
+        if out:
+            broken = any(m in waiting for m in in_round)
+            if not (broken and quiet_s >= self._last_call):
+                return
         every_live_agent = set(state["agents"]) <= set(waiting)
         if not (n >= self._max or quiet_s >= self._last_call
                 or (current > 0 and every_live_agent and quiet_s >= self._settle)):
             return
         members = waiting[: self._max]
+        if out:
+            log.info("round %d: leaving out %s (not back after %.1f s)", current + 1, out,
+                     quiet_s)
         doc = json.dumps({"round": current + 1, "members": members}).encode()
         rnd: KeyValue | None = state["round_kv"]
         guard = (Txn.version(self._k("round")) == 0 if rnd is None
@@ -398,8 +475,3 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return PeerElasticRendezvousHandler(params)
-
-
-def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it with no arguments."""
-    return create_handler

@@ -1,12 +1,17 @@
-"""torchrun --rdzv-backend=peer-elastic on a real etcd: agents, a lost first agent, the job ends well.
+"""torchrun --rdzv-backend=peer-elastic on a real etcd: agents, a lost first agent, a graceful
+leave (SIGTERM), a joiner, standbys beyond ``--nnodes`` MAX, the job ends well; and, in
+process, the store, rounds and the address published as MASTER_ADDR.
 
 Needs the package installed (``pip install -e .``): torchrun finds the backend through the
-``torchrun.handlers`` entry point, as a user's torchrun does.
+``torchrun.handlers`` entry point, as a user's torchrun does. The real-process tests wait on
+what the agents and workers write (the step file, the rounds file, etcd keys), never on fixed
+sleeps; each takes 10-40 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import signal
 import subprocess
@@ -43,14 +48,18 @@ def test_entry_point_loads_a_handler_factory() -> None:
     assert registry.handler_registry._registry.get(BACKEND) is not None
 
 
-def _agent(etcd: str, job: str, out: Path, steps: int, log: Path) -> subprocess.Popen:
+def _agent(etcd: str, job: str, out: Path, steps: int, log: Path, *, nnodes: str = "2:3",
+           conf: str = "lease_ttl=3,last_call_timeout=2", finish_world: int = 0,
+           local_addr: bool = True) -> subprocess.Popen:
     env = dict(os.environ, RDZV_TEST_DIR=str(out), RDZV_TEST_STEPS=str(steps),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+               RDZV_TEST_FINISH_WORLD=str(finish_world), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
     env.pop("PEER_ELASTIC_ETCD", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--rdzv-backend={BACKEND}",
-           f"--rdzv-endpoint={etcd}", f"--rdzv-id={job}", "--nnodes=2:3", "--nproc-per-node=1",
-           "--max-restarts=5", "--monitor-interval=0.5", "--local-addr=127.0.0.1",
-           "--rdzv-conf=lease_ttl=3,last_call_timeout=2", str(WORKER)]
+           f"--rdzv-endpoint={etcd}", f"--rdzv-id={job}", f"--nnodes={nnodes}",
+           "--nproc-per-node=1", "--max-restarts=5", "--monitor-interval=0.5",
+           *(["--local-addr=127.0.0.1"] if local_addr else []), f"--rdzv-conf={conf}",
+           str(WORKER)]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -65,9 +74,52 @@ def _wait(predicate, timeout: float, what: str, procs: list[subprocess.Popen], l
 
 
 def _agents_registered(etcd: str, job: str) -> int:
+    return len(_keys(etcd, job, "agents/"))
+
+
+def _keys(etcd: str, job: str, under: str) -> dict[str, bytes]:
+    """The run's keys under ``under`` (``agents/``, ``waiting/``), by name, with their values."""
+    prefix = run_prefix(job) + under
     with EtcdClient(etcd) as client:
-        kvs, _ = client.get_prefix(run_prefix(job) + "agents/")
-    return len(kvs)
+        kvs, _ = client.get_prefix(prefix)
+    return {kv.key[len(prefix):]: kv.value for kv in kvs}
+
+
+def _round(etcd: str, job: str) -> dict:
+    with EtcdClient(etcd) as client:
+        kv = client.get(run_prefix(job) + "round")
+    return json.loads(kv.value) if kv is not None else {"round": 0, "members": []}
+
+
+def _agent_pids(etcd: str, job: str, under: str) -> set[int]:
+    """Agent pids of the ``agents/`` keys (or of those agents' ``waiting/`` keys)."""
+    agents = {name: json.loads(v)["pid"] for name, v in _keys(etcd, job, "agents/").items()}
+    if under == "agents/":
+        return set(agents.values())
+    return {agents[name] for name in _keys(etcd, job, under) if name in agents}
+
+
+def _rounds(out: Path) -> list[tuple[int, int, int]]:
+    """(group rank, agent pid, world size) per worker start, in order."""
+    path = out / "rounds"
+    text = path.read_text() if path.exists() else ""
+    return [tuple(map(int, line.split())) for line in text.splitlines()]  # type: ignore[misc]
+
+
+def _step(out: Path) -> int:
+    path = out / "step"
+    return int(path.read_text() or 0) if path.exists() else 0
+
+
+def _tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 @requires_entry_point
@@ -93,7 +145,7 @@ def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
         rounds = (out / "rounds").read_text().split()
         assert "3" in rounds[2::3], rounds  # a round of three formed
         first = procs[0]
-        agent_pid, worker_pid = map(int, (out / "rank0").read_text().split())
+        agent_pid, worker_pid = map(int, (out / "rank0").read_text().split()[:2])
         assert agent_pid == first.pid, "the oldest agent is rank 0"
         # The agent and its worker (torchrun starts workers in a session of their own).
         os.killpg(first.pid, signal.SIGKILL)
@@ -114,6 +166,131 @@ def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+
+
+@requires_entry_point
+@pytest.mark.timeout(180)
+def test_sigterm_of_an_agent_leaves_at_once_and_the_other_goes_on(etcd: str, unique_job: str,
+                                                                  tmp_path: Path) -> None:
+    """Two agents (``--nnodes=1:2``); SIGTERM to the group-rank-0 agent (whose worker hosts
+    the workers' store). It stops its worker and exits by itself (torch's launcher exits 1 on
+    a signal, with c10d too); its etcd keys go at once, not a lease TTL later, and the
+    rendezvous stays open. The lease TTL and the last call are both 30 s here, so the
+    survivor's next round can only form within seconds because the leaver deleted its keys
+    ("every live agent waits"). The survivor trains on alone and finishes with 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    conf = "lease_ttl=30,last_call_timeout=30"
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(2):
+            procs.append(_agent(etcd, unique_job, out, 40, logs[i], nnodes="1:2", conf=conf))
+        _wait(lambda: _step(out) >= 5, 90, "two agents train 5 steps", procs, logs)
+        assert [w for _, _, w in _rounds(out)] == [2, 2], _rounds(out)
+        rank0 = int((out / "rank0").read_text().split()[0])
+        leaver, stayer = sorted(procs, key=lambda p: p.pid != rank0)
+        i_leaver = procs.index(leaver)
+        os.kill(leaver.pid, signal.SIGTERM)  # the agent only, as `kill <pid>` of a launcher
+        leaver.wait(45)
+        left_at = time.monotonic()
+        assert leaver.returncode >= 0, "exited by itself, not killed by the signal"
+        assert "got signal: 15" in logs[i_leaver].read_text()
+        _wait(lambda: leaver.pid not in _agent_pids(etcd, unique_job, "agents/"), 5,
+              "the leaver's agent key is gone (30 s lease: deleted, not expired)", procs, logs)
+        _wait(lambda: _round(etcd, unique_job)["round"] >= 2, 15,
+              "the survivor's round without the leaver", procs, logs)
+        assert time.monotonic() - left_at < 15  # the last call (30 s) did not form it
+        assert len(_round(etcd, unique_job)["members"]) == 1
+        _wait(lambda: stayer.poll() is not None, 90, "the survivor finishes", procs, logs)
+        assert stayer.returncode == 0, _tails(logs)
+        assert (out / "done").read_text() == "1"
+        assert _step(out) == 40
+        assert _rounds(out)[-1] == (0, stayer.pid, 1)
+    finally:
+        _kill_all(procs)
+
+
+@requires_entry_point
+@pytest.mark.timeout(180)
+def test_a_new_agent_joins_a_running_job(etcd: str, unique_job: str, tmp_path: Path) -> None:
+    """One agent trains alone (``--nnodes=1:2``); a second agent starts mid-run. The running
+    agent sees it waiting (``num_nodes_waiting``), restarts its worker, and the group grows
+    to two, ranked by age (the first agent stays rank 0); the workers only finish in a group
+    of two. Without ``--local-addr``: MASTER_ADDR comes from netaddr."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    kw = {"nnodes": "1:2", "conf": "lease_ttl=3,last_call_timeout=1", "finish_world": 2,
+          "local_addr": False}
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(_agent(etcd, unique_job, out, 20, logs[0], **kw))  # type: ignore[arg-type]
+        _wait(lambda: _step(out) >= 5, 90, "the first agent trains alone", procs, logs)
+        assert _rounds(out) == [(0, procs[0].pid, 1)]
+        procs.append(_agent(etcd, unique_job, out, 20, logs[1], **kw))  # type: ignore[arg-type]
+        _wait(lambda: all(p.poll() is not None for p in procs), 120, "both agents finish",
+              procs, logs)
+        assert [p.returncode for p in procs] == [0, 0], _tails(logs)
+        rounds = _rounds(out)
+        assert rounds[0] == (0, procs[0].pid, 1)
+        assert sorted(rounds[1:]) == [(0, procs[0].pid, 2), (1, procs[1].pid, 2)], rounds
+        assert (out / "done").read_text() == "2"
+        assert _step(out) >= 20
+        # No --local-addr: MASTER_ADDR is netaddr's choice (etcd on loopback: 127.0.0.1),
+        # not torch's socket.getfqdn().
+        assert (out / "rank0").read_text().split()[2] == "127.0.0.1"
+    finally:
+        _kill_all(procs)
+
+
+@requires_entry_point
+@pytest.mark.timeout(180)
+def test_agents_beyond_max_nnodes_stand_by_step_in_and_exit_with_the_job(
+        etcd: str, unique_job: str, tmp_path: Path) -> None:
+    """Four agents, ``--nnodes=1:2``: two form the round, the other two wait as standbys
+    (their ``waiting/`` keys) and neither disturb the running group (``num_nodes_waiting()``
+    is 0 at MAX) nor form a group of their own beside it. SIGKILL of the rank-0 agent and its
+    worker: once its lease is gone (3 s), the two oldest waiting agents form the next round,
+    at least one of them a former standby. When the job finishes, the agents close the
+    rendezvous and the agent still standing by exits 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    kw = {"nnodes": "1:2", "conf": "lease_ttl=3,last_call_timeout=30"}
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(4):
+            procs.append(_agent(etcd, unique_job, out, 50, logs[i], **kw))  # type: ignore[arg-type]
+        _wait(lambda: _step(out) >= 10, 120, "the first round trains 10 steps", procs, logs)
+        first = _rounds(out)
+        assert sorted(r[0] for r in first) == [0, 1] and {r[2] for r in first} == {2}, first
+        members = {pid for _, pid, _ in first}
+        standbys = {p.pid for p in procs} - members
+        _wait(lambda: _agent_pids(etcd, unique_job, "waiting/") == standbys, 30,
+              "the two other agents wait as standbys", procs, logs)
+        assert _round(etcd, unique_job)["round"] == 1
+        agent_pid, worker_pid = map(int, (out / "rank0").read_text().split()[:2])
+        dead = next(p for p in procs if p.pid == agent_pid)
+        os.killpg(agent_pid, signal.SIGKILL)
+        os.killpg(worker_pid, signal.SIGKILL)
+        dead.wait(10)
+        _wait(lambda: len(_rounds(out)) >= 4, 90, "the second round starts its workers",
+              procs, logs)
+        second = _rounds(out)[2:4]
+        assert {r[2] for r in second} == {2} and agent_pid not in {r[1] for r in second}
+        assert {r[1] for r in second} & standbys, "a standby stepped in"
+        rest = [p for p in procs if p is not dead]
+        _wait(lambda: all(p.poll() is not None for p in rest), 120,
+              "every other agent exits, the one still standing by too", procs, logs)
+        assert [p.returncode for p in rest] == [0, 0, 0], _tails(logs)
+        idle = ({p.pid for p in rest} - {r[1] for r in second}).pop()
+        assert "finished while this agent waited" in logs[procs.index(
+            next(p for p in procs if p.pid == idle))].read_text()
+        assert (out / "done").read_text() == "2" and _step(out) == 50
+        assert len(_rounds(out)) == 4  # no other worker start
+    finally:
+        _kill_all(procs)
 
 
 # --- in-process: the handler and the store, no torchrun -------------------------------------
@@ -198,6 +375,135 @@ def test_rounds_rank_agents_by_age_and_admit_newcomers(etcd: str, unique_job: st
 
         with pytest.raises(RendezvousClosedError):
             handlers[1].next_rendezvous()
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def _rendezvous_alone(etcd: str, job: str, local_addr: str | None):
+    """One handler (``--nnodes=1``) through one round; its RendezvousInfo."""
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    params = _params(etcd, job, 1, 1)
+    params.local_addr = local_addr
+    handler = PeerElasticRendezvousHandler(params)
+    try:
+        return handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+
+
+def test_master_addr_is_chosen_by_netaddr(etcd: str, unique_job: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``--local-addr``, rank 0 publishes the address netaddr.select_address picks
+    for the etcd endpoints (not torch's socket.getfqdn()); ``--local-addr`` still wins."""
+    import peer_elastic.torchrun as tr
+    from peer_elastic.netaddr import NetChoice
+
+    asked: list[list[tuple[str, int]]] = []
+
+    def fake_select(endpoints, **kw):
+        asked.append(list(endpoints))
+        return NetChoice("10.9.8.7", "eth9", "route to etcd")
+
+    monkeypatch.setattr(tr, "select_address", fake_select)
+    info = _rendezvous_alone(etcd, unique_job + "-a", None)
+    assert info.bootstrap_store_info.master_addr == "10.9.8.7"
+    host, port = etcd.split(",")[0].rsplit(":", 1)
+    assert asked == [[(host, int(port))]]
+    info = _rendezvous_alone(etcd, unique_job + "-b", "127.0.0.1")
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+
+
+def test_master_addr_honours_peer_elastic_addr_and_sets_gloo(
+        etcd: str, unique_job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real selection: etcd on loopback gives 127.0.0.1 and leaves gloo alone;
+    PEER_ELASTIC_ADDR gives that address and hands its interface to the workers' gloo through
+    the agent's environment (GLOO_SOCKET_IFNAME); an address not on this machine fails the
+    rendezvous with the ConfigError a peer would get."""
+    from peer_elastic.errors import ConfigError
+    from peer_elastic.netaddr import GLOO_IFNAME, NCCL_IFNAME
+
+    saved = {k: os.environ.get(k) for k in (GLOO_IFNAME, NCCL_IFNAME)}
+    for name in ("PEER_ELASTIC_ADDR", "PEER_ELASTIC_IFNAME", GLOO_IFNAME, NCCL_IFNAME):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        info = _rendezvous_alone(etcd, unique_job + "-a", None)
+        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+        assert GLOO_IFNAME not in os.environ
+        monkeypatch.setenv("PEER_ELASTIC_ADDR", "127.0.0.1")
+        info = _rendezvous_alone(etcd, unique_job + "-b", None)
+        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+        assert os.environ[GLOO_IFNAME] == "lo"
+        monkeypatch.setenv("PEER_ELASTIC_ADDR", "192.0.2.77")
+        with pytest.raises(ConfigError, match="192.0.2.77"):
+            _rendezvous_alone(etcd, unique_job + "-c", None)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_standbys_never_form_a_round_beside_a_running_one(etcd: str, unique_job: str) -> None:
+    """MIN=MAX=2, four handlers: 0 and 1 form round 1 and "train" (they do not wait); 2 and
+    3 wait as standbys and, although two of them wait (MIN and MAX met), write no round of
+    their own beside the running one. Then 1 comes back (its worker failed): the round is
+    broken, and ``last_call_timeout`` later the oldest waiting agents (1, 2) form round 2
+    without 0, which never came back. Closing the rendezvous (the job finished) makes the
+    remaining standby leave with SystemExit(0)."""
+    import threading
+
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    conf = {"last_call_timeout": 0.5, "lease_ttl": 5, "settle": 0.1}
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2, **conf))
+                for _ in range(4)]
+    infos: dict[int, object] = {}
+
+    def rdzv(i: int) -> None:
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except SystemExit as exc:
+            infos[i] = exc
+
+    def run(*which: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=rdzv, args=(i,), daemon=True) for i in which]
+        for t in threads:
+            t.start()
+        return threads
+
+    try:
+        for t in run(0, 1):
+            t.join(30)
+        assert sorted((infos[i].rank, infos[i].world_size) for i in (0, 1)) == [(0, 2), (1, 2)]
+        standbys = run(2, 3)
+        deadline = time.monotonic() + 20
+        while len(_keys(etcd, unique_job, "waiting/")) < 2:
+            assert time.monotonic() < deadline, "the standbys never waited"
+            time.sleep(0.05)
+        assert handlers[0].num_nodes_waiting() == 0  # at MAX: no restart for standbys
+        # Two agents wait, MIN and MAX are met, the last call passes three times over: still
+        # no round, since both members of round 1 still train in it.
+        time.sleep(3 * conf["last_call_timeout"])
+        assert _round(etcd, unique_job)["round"] == 1
+        assert not infos.keys() & {2, 3}
+        back = run(1)
+        back[0].join(30)
+        rnd = _round(etcd, unique_job)
+        assert rnd["round"] == 2
+        assert (infos[1].rank, infos[1].world_size) == (0, 2)
+        ids = [h.agent_id for h in handlers]
+        assert rnd["members"][0] == ids[1] and rnd["members"][1] in (ids[2], ids[3])
+        stepped_in = ids.index(rnd["members"][1])
+        standbys[stepped_in - 2].join(30)
+        assert (infos[stepped_in].rank, infos[stepped_in].world_size) == (1, 2)
+        idle = ({2, 3} - {stepped_in}).pop()
+        assert idle not in infos  # still standing by
+        handlers[1].set_closed()
+        standbys[idle - 2].join(30)
+        assert isinstance(infos[idle], SystemExit) and infos[idle].code == 0
     finally:
         for h in handlers:
             h.shutdown()
