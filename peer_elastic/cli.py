@@ -17,11 +17,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerElasticError
-from peer_elastic.settings_table import ETCD, JOB, LOCAL_RANK
+from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
+from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK
+
+if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
+    from peer_elastic.ops.ranks import RankTracker
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -60,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start an embedded etcd on a free loopback port for this run")
     run.add_argument("--job", default=None, help="job name (default: a fresh name)")
     run.add_argument("-n", "--nproc", type=int, required=True, help="number of peers to start")
+    run.add_argument("--log-dir", type=Path, default=None,
+                     help="write each peer's output to DIR/peer-<i>.log instead of the terminal")
+    run.add_argument("--tee", action="store_true",
+                     help="with --log-dir: write to the terminal as well")
     _setting_flags(run)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
@@ -137,6 +146,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run: give the command to run after --, e.g. -- python train.py")
     if args.nproc < 1:
         parser.error("run: -n must be at least 1")
+    if args.tee and args.log_dir is None:
+        parser.error("run: --tee needs --log-dir")
     job = args.job or f"job-{os.getpid()}-{int(time.time())}"
     env = dict(os.environ)
     env[JOB.env] = job
@@ -154,15 +165,46 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         env[ETCD.env] = args.etcd
     try:
-        return _run_peers(cmd, args.nproc, env)
+        return _run_peers(cmd, args.nproc, env, OutputOptions(args.log_dir, args.tee))
     finally:
         if server is not None:
             server.stop()
 
 
-def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
+def _start_tracker(env: dict[str, str]) -> RankTracker | None:
+    """A watch of the job that tells each peer's current rank (None if etcd is not reachable:
+    the output then carries the peer index alone)."""
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.etcd.registration import default_host
+    from peer_elastic.ops.ranks import RankTracker
+
+    try:
+        client = client_from_env(env[ETCD.env], retry_budget_s=10.0)
+        # The peers' host name as they report it: the same setting, read from their env.
+        host = env.get(HOST.env) or default_host()
+        return RankTracker(client, env[JOB.env], host).start()
+    except (PeerElasticError, OSError) as exc:
+        print(f"peer-elastic: ranks unknown ({exc}); lines carry the peer index",
+              file=sys.stderr)
+        return None
+
+
+def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOptions) -> int:
     procs: list[subprocess.Popen[Any]] = []
     stopping = {"signal": 0}
+    tracker: RankTracker | None = None
+    ready = threading.Event()
+
+    def track() -> None:
+        nonlocal tracker
+        tracker = _start_tracker(env)
+        ready.set()
+
+    def label(index: int) -> str:
+        t = tracker
+        if t is None:
+            return unknown_role(index)
+        return t.label(index)
 
     def forward(signum: int, frame: Any) -> None:
         # Ctrl-C or SIGTERM: every peer leaves gracefully (SIGTERM is "leave" to a peer).
@@ -171,12 +213,21 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
+    # The watch starts beside the peers: an etcd slow to answer must not delay them.
+    threading.Thread(target=track, name="rank-tracker", daemon=True).start()
+    mux = Multiplexer(label, output, sys.stdout.buffer, sys.stderr.buffer)
     old_int = signal.signal(signal.SIGINT, forward)
     old_term = signal.signal(signal.SIGTERM, forward)
     try:
         for i in range(n):
             penv = dict(env, **{LOCAL_RANK.env: str(i)})
-            procs.append(subprocess.Popen(cmd, env=penv))
+            p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs.append(p)
+            mux.attach(i, p.stdout, p.stderr)
+        ready.wait(15)
+        if tracker is not None:
+            for i, p in enumerate(procs):
+                tracker.add(i, p.pid)
         codes = [p.wait() for p in procs]
     finally:
         signal.signal(signal.SIGINT, old_int)
@@ -185,6 +236,9 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+        mux.close()
+        if tracker is not None:
+            tracker.stop()
     if stopping["signal"]:
         return EXIT_INTERRUPTED
     failed = [c for c in codes if c != 0]
