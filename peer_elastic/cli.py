@@ -295,7 +295,8 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"  last change: {doc['reason']}")
     for m in doc["members"]:
         role = "standby" if m["standby"] else f"rank {m['rank']}"
-        print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s"
+        seen = "?" if m["last_seen_s"] is None else m["last_seen_s"]
+        print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s, seen {seen} s ago"
               + (f"  at {m['net_address']}" if m["net_address"] else "")
               + (f"  metrics {m['address']}" if m["address"] else "")
               + ("  (draining)" if m["draining"] else ""))

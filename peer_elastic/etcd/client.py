@@ -632,6 +632,18 @@ class EtcdClient:
         except LeaseNotFound:
             return False
 
+    def lease_since_keepalive(self, lease_id: int) -> int | None:
+        """Whole seconds since ``lease_id`` was last kept alive (granted TTL minus the TTL
+        left, as etcd counts them: to the second), or None when the lease is gone.
+
+        etcd also restores every lease to its full TTL when a new etcd leader takes over,
+        so just after an election this reads 0 for every lease."""
+        info = self._call(lambda: self._raw.get_lease_info(lease_id),
+                          f"lease {lease_id:x} ttl")
+        if info.TTL < 0:
+            return None
+        return max(0, int(info.grantedTTL) - int(info.TTL))
+
     def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL in seconds; -1 when the lease does not exist."""
         return self._call(lambda: self._raw.get_lease_info(lease_id).TTL, f"lease {lease_id:x} ttl")
