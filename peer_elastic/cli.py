@@ -97,6 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     drain = _job_flags(sub.add_parser("drain", help="ask one peer to leave gracefully"))
     drain.add_argument("member_id")
+
+    dash = _job_flags(sub.add_parser(
+        "dashboard", help="serve a read-only web page of a job",
+        description="Members, the generation timeline with causes, recovery timings, "
+        "progress and settings, updated twice a second. Read-only; no authentication of "
+        "its own: it binds loopback unless --host says otherwise."))
+    dash.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    dash.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0: any)")
+
+    report = _job_flags(sub.add_parser(
+        "report", help="write a timeline of a job (world size, throughput, events)",
+        description="A self-contained SVG (or an HTML page around it) of the current run: "
+        "world size and throughput over time with every event marked. Works during and "
+        "after a run, while its keys are in etcd (run_ttl_s after its last peer)."))
+    report.add_argument("--out", required=True, type=Path, help="FILE.svg or FILE.html")
     return parser
 
 
@@ -120,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_events(args, parser)
         if args.command in ("set", "pause", "resume"):
             return cmd_set(args, parser)
+        if args.command == "dashboard":
+            return cmd_dashboard(args, parser)
+        if args.command == "report":
+            return cmd_report(args, parser)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except EtcdUnavailable as exc:
@@ -372,6 +391,49 @@ def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 time.sleep(0.5)
         finally:
             watch.stop()
+
+
+def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.ops.dashboard import Dashboard
+
+    _need(args, parser, "etcd", "job")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        try:
+            dash = Dashboard(client, args.job, args.host, args.port).start()
+        except OSError as exc:
+            print(f"peer-elastic: cannot serve on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        print(f"peer-elastic: dashboard of job {args.job} at {dash.url} (Ctrl-C stops it)",
+              file=sys.stderr, flush=True)
+        # Signals only set an event: the serving threads stop in an orderly way.
+        stopping = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stopping.wait()
+        finally:
+            dash.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return EXIT_INTERRUPTED
+
+
+def cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.ops.report import write_report
+    from peer_elastic.ops.timeline import read_timeline
+
+    _need(args, parser, "etcd", "job")
+    if args.out.suffix not in (".svg", ".html"):
+        parser.error("report: --out must end in .svg or .html")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        timeline = read_timeline(client, args.job)
+    write_report(timeline, args.job, args.out)
+    print(f"wrote {args.out}: {len(timeline.generations)} generations, "
+          f"{len(timeline.events)} events, {len(timeline.progress)} progress points")
+    return EXIT_OK
 
 
 def cmd_set(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -473,6 +473,16 @@ class EtcdClient:
 
         return self._call(do, f"get {key}")
 
+    def get_at(self, key: str, revision: int) -> KeyValue | None:
+        """``key`` as it was at ``revision`` (its history, until etcd compacts it: then
+        :class:`RevisionCompacted`)."""
+        def do() -> KeyValue | None:
+            resp = self._raw.get_range_response(key, None, revision=revision)
+            self.note_header(resp.header)
+            return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
+
+        return self._call(do, f"get {key} at revision {revision}")
+
     def get_prefix(self, prefix: str, page_size: int = 1000) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at.
 
