@@ -342,7 +342,7 @@ def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
     from peer_elastic.errors import RecordError
-    from peer_elastic.records import EventRecord, decode
+    from peer_elastic.records import EventRecord, GenerationCause, decode
 
     try:
         ev = decode(EventRecord, kv_value, key)
@@ -351,7 +351,12 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
     if as_json:
         return json.dumps({"unix": ev.unix, "kind": ev.kind, "member": ev.member_id,
                            "generation": ev.generation, "detail": ev.detail,
-                           "timings_s": dict(ev.timings_s)}, sort_keys=True)
+                           "timings_s": dict(ev.timings_s),
+                           # generation events of this version on: the new roster's size
+                           # and its typed causes (0 and [] from an older writer)
+                           "world_size": ev.world_size,
+                           "causes": [GenerationCause.Name(c) if c in GenerationCause.values()
+                                      else str(c) for c in ev.causes]}, sort_keys=True)
     stamp = time.strftime("%H:%M:%S", time.localtime(ev.unix)) + f".{int(ev.unix % 1 * 1000):03d}"
     line = f"{stamp} gen {ev.generation:<4} {ev.kind:<18} {ev.member_id:<28} {ev.detail}"
     if ev.timings_s:

@@ -73,7 +73,7 @@ def render_svg(t: Timeline, job: str) -> str:
           "some generations do not record their size (older writer)" if old else
           ("" if sizes else "no generation recorded"))
     panel(TOP + PANEL_H + GAP, "throughput (steps/s, from the progress record)",
-          t.throughput(), False, "#393",
+          t.throughput(), False, "#444",
           "" if t.progress_complete else "earlier progress compacted away by etcd"
           if t.throughput() else "no throughput: the run records no progress")
     bottom = TOP + 2 * PANEL_H + GAP
