@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -91,3 +93,30 @@ def test_dashboard_lists_members_and_shows_a_kill_as_a_new_generation(
         client.close()
         for p in peers:
             p.kill()
+
+
+def test_dashboard_command_serves_loopback_until_terminated(etcd: str, unique_job: str) -> None:
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    client = EtcdClient(etcd)
+    c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
+    proc = subprocess.Popen([sys.executable, "-m", "peer_elastic.cli", "dashboard", "--etcd",
+                             etcd, "--job", unique_job, "--port", "0"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        line = proc.stderr.readline()  # "... dashboard of job J at http://127.0.0.1:P/ ..."
+        url = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        assert url, line
+        c.wait_generation(0, timeout=10)
+        doc = json.load(urllib.request.urlopen(url[1] + "api/state", timeout=30))
+        assert [m["id"] for m in doc["status"]["members"]] == [c.member_id]
+        page = urllib.request.urlopen(url[1], timeout=30).read().decode()
+        assert "/api/state" in page and "<script" in page
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        c.close()
+        client.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -141,14 +142,22 @@ def _handler(state: JobState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a browser's open connection must not hold up a stop
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        if ":" in address[0]:  # an IPv6 literal such as ::1
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
 class Dashboard:
     """The page and its JSON, served from a thread (``url`` once started)."""
 
     def __init__(self, client: EtcdClient, job: str, host: str = "127.0.0.1",
                  port: int = 8080) -> None:
         self.state = JobState(client, job)
-        self._server = ThreadingHTTPServer((host, port), _handler(self.state))
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), _handler(self.state))
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="dashboard-http", daemon=True)
 
