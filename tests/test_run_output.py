@@ -52,3 +52,27 @@ def test_run_prefixes_whole_lines_of_chatty_peers(etcd: str, unique_job: str,
         mine = [LINE.match(x) for x in lines]
         mine = [m for m in mine if m is not None]
         assert len(mine) == 2 * per_stream and {int(m[1]) for m in mine} == {i}
+
+
+def test_multiplexer_cuts_runaway_lines_into_prefixed_pieces(tmp_path: Path) -> None:
+    import io
+    import threading
+
+    from peer_elastic.ops.multiplex import MAX_LINE, Multiplexer, OutputOptions
+
+    class Sink(io.BytesIO):
+        def close(self) -> None:  # keep the bytes readable after the pipe end closes
+            pass
+
+    term, err = Sink(), Sink()
+    mux = Multiplexer(lambda i: f"[p{i}] ", OutputOptions(tmp_path, tee=True), term, err)
+    read_end, write_end = os.pipe()
+    writer = threading.Thread(target=lambda: (
+        os.write(write_end, b"a" * (MAX_LINE + 5) + b"\nshort\r\ntail"), os.close(write_end)))
+    writer.start()
+    mux.attach(7, open(read_end, "rb"), None)
+    writer.join(30)
+    mux.close(30)
+    lines = term.getvalue().split(b"\n")
+    assert lines == [b"[p7] " + b"a" * MAX_LINE, b"[p7] aaaaa", b"[p7] short", b"[p7] tail", b""]
+    assert (tmp_path / "peer-7.log").read_bytes() == term.getvalue()

@@ -12,6 +12,7 @@ pieces that each carry the prefix, so one runaway writer cannot exhaust memory.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,9 +105,11 @@ class Multiplexer:
                 f.flush()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait (bounded) until every pipe is drained, then close the log files."""
+        """Wait until every pipe is drained (``timeout`` in all: a peer's child that kept the
+        pipe open must not hold up the launcher), then close the log files."""
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             for f in self._files.values():
                 f.close()
