@@ -95,8 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(sub.add_parser("pause", help="freeze the roster: joiners wait as standbys"))
     _job_flags(sub.add_parser("resume", help="let joiners in again"))
 
-    drain = _job_flags(sub.add_parser("drain", help="ask one peer to leave gracefully"))
-    drain.add_argument("member_id")
+    drain = _job_flags(sub.add_parser(
+        "drain", help="ask one peer (or, with --all, every peer) to leave gracefully",
+        description="Ask one peer to leave gracefully; with --all, stop the whole job "
+        "gracefully: every peer leaves, rank 0 writes a final durable snapshot (with a "
+        "snapshot_dir), and starting the job again resumes from it."))
+    drain.add_argument("member_id", nargs="?")
+    drain.add_argument("--all", action="store_true", help="every member: stop the job")
+
+    snaps = _job_flags(sub.add_parser(
+        "snapshots", help="list a job's durable snapshots (from their etcd records)"))
+    snaps.add_argument("--json", action="store_true", help="machine-readable output")
 
     dash = _job_flags(sub.add_parser(
         "dashboard", help="serve a read-only web page of a job",
@@ -133,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_drain(args, parser)
         if args.command == "events":
             return cmd_events(args, parser)
+        if args.command == "snapshots":
+            return cmd_snapshots(args, parser)
         if args.command in ("set", "pause", "resume"):
             return cmd_set(args, parser)
         if args.command == "dashboard":
@@ -323,6 +334,10 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         p = doc["progress"]
         print(f"  progress: epoch {p['epoch']} batch {p['batch']} step {p['step']} "
               f"({p['age_s']} s ago)")
+    if doc.get("snapshot"):
+        s = doc["snapshot"]
+        print(f"  newest snapshot: commit {s['commits']} epoch {s['epoch']} "
+              f"({round(time.time() - s['unix'], 1)} s ago) at {s['host']}:{s['path']}")
     if doc["done"]:
         d = doc["done"]
         print("  done: " + ("success" if d["success"] else f"failed: {d['reason']}"))
@@ -330,13 +345,39 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from peer_elastic.etcd.admin import drain
+    from peer_elastic.etcd.admin import drain, drain_all
     from peer_elastic.etcd.client import client_from_env
 
     _need(args, parser, "etcd", "job")
+    if bool(args.all) == bool(args.member_id):
+        parser.error("drain: give a member id or --all (not both)")
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        if args.all:
+            members = drain_all(client, args.job, requested_by="peer-elastic drain --all")
+            print(f"asked all {len(members)} members of job {args.job} to leave")
+            return EXIT_OK
         drain(client, args.job, args.member_id, requested_by="peer-elastic drain")
     print(f"asked {args.member_id} to leave job {args.job}")
+    return EXIT_OK
+
+
+def cmd_snapshots(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.admin import snapshot_document
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.etcd.snapshot_records import list_snapshots
+
+    _need(args, parser, "etcd", "job")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        docs = [snapshot_document(r) for r in list_snapshots(client, args.job)]
+    if args.json:
+        print(json.dumps(docs, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not docs:
+        print(f"job {args.job}: no snapshots recorded")
+    for d in docs:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["unix"]))
+        print(f"{stamp}  commit {d['commits']:<8} epoch {d['epoch']:<5} "
+              f"{d['bytes'] / 2**20:9.1f} MiB  {d['host']}:{d['path']}")
     return EXIT_OK
 
 

@@ -43,6 +43,9 @@ class JobSettings:
     start_settle_s: float | None = None
     run_ttl_s: float | None = None
     hang_timeout_s: float | None = None
+    snapshot_dir: str | None = None
+    snapshot_every_s: float | None = None
+    snapshot_keep: int | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:
@@ -124,6 +127,10 @@ def validate(cfg: JobConfig) -> None:
     if not math.isfinite(cfg.hang_timeout_s) or cfg.hang_timeout_s < 0:
         raise ConfigError(f"hang_timeout_s must be 0 (off) or a positive number of seconds, "
                           f"got {cfg.hang_timeout_s}")
+    if cfg.snapshot_every_s <= 0:
+        raise ConfigError(f"snapshot_every_s must be positive, got {cfg.snapshot_every_s}")
+    if cfg.snapshot_keep < 1:
+        raise ConfigError(f"snapshot_keep must be at least 1, got {cfg.snapshot_keep}")
     if cfg.run_ttl_s < cfg.lease_ttl_s:
         raise ConfigError(f"run_ttl_s ({cfg.run_ttl_s}) must be at least lease_ttl_s "
                           f"({cfg.lease_ttl_s})")

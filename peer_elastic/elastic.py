@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from peer_elastic import logs
 from peer_elastic.agreement import Claim, StateVersion
+from peer_elastic.durable.service import DurableSnapshots
+from peer_elastic.durable.writer import SnapshotInfo
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     LeaveRequested,
@@ -100,6 +102,12 @@ class Peer:
         self.metrics = metrics if metrics else None
         self._observer: StepObserver = self.metrics or NoObserver()
         self._observer.bind(self)
+        # Durable snapshots (peer_elastic.durable), when the job has a snapshot_dir: rank 0
+        # writes one in the background at a due commit; a group in which nobody holds
+        # committed state resumes from the newest.
+        self.snapshots = DurableSnapshots.for_job(getattr(coordinator, "config", None),
+                                                  coordinator.job, self.stats,
+                                                  getattr(coordinator, "client", None))
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -182,6 +190,8 @@ class Peer:
         if committing:
             state.record_commit()
             self._live = self._committed = self._live.committed()
+            if self.snapshots is not None and group.assignment.rank == 0:
+                self.snapshots.after_commit(state, self._snapshot_info())
         if reset:
             removals_only = newest is not None and not newest.joined
             raise HostsUpdatedInterrupt(skip_sync=removals_only)
@@ -222,6 +232,7 @@ class Peer:
                 self._finish()
                 return result
         except LeaveRequested as exc:
+            self._final_snapshot(state)
             self._leave(str(exc))
             raise SystemExit(0) from None
         finally:
@@ -294,12 +305,31 @@ class Peer:
         # when their version matches: it costs one sync and relies on nothing they kept.
         need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
-        agreement = agree_and_sync(state, Claim(self._live, need), self.device)
+        resume = None
+        if self.snapshots is not None:
+            resume = self.snapshots.resumer(state, self.generation, self.device)
+        agreement = agree_and_sync(state, Claim(self._live, need), self.device, resume)
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
         self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
+
+    def _final_snapshot(self, state: Any) -> None:
+        """Leaving on purpose (SIGTERM, drain) as rank 0 of the last group: write a durable
+        snapshot of the live state (a consistent version: the interrupt merged progress
+        first), so stopping the whole job gracefully loses nothing. Rank 0 alone leaving
+        writes one too: it cannot know whether anyone goes on, and it costs one write."""
+        if self.snapshots is None or self._group is None or self._group.assignment.rank != 0:
+            return
+        if self.snapshots.final(state, self._snapshot_info()):
+            log.warning("final snapshot written before leaving")
+        else:
+            log.warning("final snapshot not written (see above)")
+
+    def _snapshot_info(self) -> SnapshotInfo:
+        run = getattr(self.coordinator, "run", None)
+        return SnapshotInfo(run.run_id if run is not None else "", self.generation, self.size)
 
     def _publish_timing(self) -> None:
         """At the first step after a reset: rank 0 logs where the recovery time went."""
@@ -354,6 +384,9 @@ class Peer:
         return self._liveness.collective()
 
     def close(self) -> None:
+        if self.snapshots is not None:
+            # A write in flight finishes (bounded): the process may exit right after.
+            self.snapshots.close(timeout=60.0)
         self._liveness.stop()
         self._progress.stop()
         if self._watchdog is not None:

@@ -76,6 +76,22 @@ class StateHandler:
         one digest before any handler syncs."""
         return f"{type(self.value).__module__}.{type(self.value).__qualname__}"
 
+    # Durable snapshots (peer_elastic.durable): the live state as named tensors plus a plain
+    # value tree (tagged JSON, never pickle), and the way back. Only the rank writing a
+    # snapshot calls durable_state, right after a commit (live state == committed state);
+    # only the rank loading one calls durable_targets. A handler without them makes the
+    # state unsnapshottable (the snapshot writer says so once and stays off).
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        """The live state: tensors by name (aliases; the caller copies) and plain values."""
+        raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        """Make the live object ready to receive a snapshot whose plain part is ``plain``
+        (structure, plain values) and return the live tensors to load into, by the names
+        ``durable_state`` gave them; they are overwritten in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
+
 
 class TensorHandler(StateHandler):
     """A tensor kept in the state (e.g. a running metric): copied, not rebound."""
@@ -96,6 +112,12 @@ class TensorHandler(StateHandler):
 
     def sync(self) -> None:
         broadcast_tensors([self.value.detach()])
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        return {"tensor": self.value.detach()}, None
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        return {"tensor": self.value.detach()}
 
     def layout(self) -> str:
         value = self.value
@@ -151,6 +173,17 @@ class ModuleHandler(StateHandler):
 
     def sync(self) -> None:
         broadcast_tensors([t for _, t in self._live()])
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        items = self._live()
+        return {name: t.detach() for name, t in items}, [name for name, _ in items]
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        live = {name: t.detach() for name, t in self._live()}
+        if not isinstance(plain, list) or sorted(plain) != sorted(live):
+            raise ValueError(f"snapshot of {type(self.value).__name__} has other entries than "
+                             "the live module")
+        return live
 
     def layout(self) -> str:
         return "\n".join(f"{n}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for n, t in self._live())
@@ -345,6 +378,17 @@ class OptimizerHandler(StateHandler):
             tensors = self._materialize(received)
         broadcast_tensors(tensors)
 
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        # The same description sync() sends: a fresh optimizer can be given this structure.
+        desc, tensors = self._describe()
+        return {str(i): t for i, t in enumerate(tensors)}, desc
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(plain, dict) or set(plain) != {"groups", "state"}:
+            raise ValueError("malformed optimizer description in snapshot")
+        tensors = self._materialize(plain)
+        return {str(i): t.detach() for i, t in enumerate(tensors)}
+
     def layout(self) -> str:
         shapes = [[tuple(p.shape) for p in g["params"]] for g in self.value.param_groups]
         return f"{type(self.value).__qualname__}:{shapes}"
@@ -367,6 +411,13 @@ class LRSchedulerHandler(StateHandler):
         state = broadcast_plain(self.value.state_dict(), what=type(self.value).__name__)
         self.value.load_state_dict(state)
 
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        return {}, self.value.state_dict()
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        self.value.load_state_dict(plain)
+        return {}
+
 
 class SamplerHandler(StateHandler):
     """An ``ElasticSampler``: its own ``state_dict``/``load_state_dict`` and ``sync``."""
@@ -383,6 +434,20 @@ class SamplerHandler(StateHandler):
 
     def sync(self) -> None:
         self.value.sync()
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        sd = self.value.state_dict()
+        # The progress bits as bytes in the plain part: one small value, no tensor file entry.
+        sd["processed_bits"] = sd["processed_bits"].numpy().tobytes()
+        return {}, sd
+
+    def durable_targets(self, plain: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(plain, dict) or not isinstance(plain.get("processed_bits"), bytes):
+            raise ValueError("malformed sampler state in snapshot")
+        sd = dict(plain)
+        sd["processed_bits"] = torch.frombuffer(bytearray(sd["processed_bits"]), dtype=torch.uint8)
+        self.value.load_state_dict(sd)
+        return {}
 
     def reset(self) -> None:
         self.value.reset()

@@ -72,7 +72,7 @@ DEFAULT_ADDR: str = METRICS_ADDR.default
 
 #: Every value the ``reason`` label of ``peer_elastic_resets_total`` can take. Member ids
 #: never become labels: they would make the number of series grow without bound.
-REASONS = ("joined", "left", "crash", "lease_lost", "other")
+REASONS = ("joined", "left", "crash", "hung", "lease_lost", "other")
 
 #: ``state.commit()``: an in-memory copy of the state plus one tiny all-reduce; from tens
 #: of microseconds (small models) to seconds (large models on a slow copy).
@@ -109,13 +109,16 @@ def classify_reason(causes: Collection[int], *, crashed: bool = False,
     came through the failed-collective path (it restored its last commit), ``lease_lost``
     that it lost its lease and re-registered. When several causes apply, the most severe
     wins: lease_lost, crash (a broken generation or a member dropped for not acknowledging),
-    left (a member left, expired or no longer fits), joined; anything else is ``other``.
+    hung (a member was fenced for a hung training thread), left (a member left, expired or
+    no longer fits), joined; anything else is ``other``.
     """
     if lease_lost:
         return "lease_lost"
     found = set(causes)
     if crashed or found & _CRASH_CAUSES:
         return "crash"
+    if GenerationCause.GENERATION_CAUSE_HUNG in found:
+        return "hung"
     if found & _LEFT_CAUSES:
         return "left"
     if GenerationCause.GENERATION_CAUSE_JOINED in found:
@@ -177,7 +180,8 @@ class _CoordinatorStats:
     """``Coordinator.stats`` and the peer's :class:`~peer_elastic.observer.PeerStats` as
     counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
     (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
-    did; collectives_abandoned: what its hang watchdog did)."""
+    did; collectives_abandoned: what its hang watchdog did; snapshots_*: its durable
+    snapshot writer)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
@@ -186,6 +190,10 @@ class _CoordinatorStats:
         "dropped": "Silent members this peer dropped as leader (no ack within join_timeout)",
         "collectives_abandoned": "Groups whose stuck collectives this peer abandoned because "
                                  "a member's lease ended",
+        "snapshots_written": "Durable snapshots this peer wrote",
+        "snapshots_failed": "Durable snapshots this peer failed to write (training went on)",
+        "snapshots_skipped": "Due durable snapshots this peer skipped because the previous "
+                             "write was still in flight",
     }
 
     def __init__(self, peer: Peer) -> None:

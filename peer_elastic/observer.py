@@ -35,6 +35,11 @@ class PeerStats:
 
     #: Groups whose stuck collectives this peer abandoned because a member's lease ended.
     collectives_abandoned: int = 0
+    #: Durable snapshots this peer wrote, failed to write (disk full, permissions: training
+    #: went on), and skipped because the previous write was still in flight.
+    snapshots_written: int = 0
+    snapshots_failed: int = 0
+    snapshots_skipped: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -43,6 +48,11 @@ class PeerStats:
         """The group manager abandoned a group's collectives."""
         with self._lock:
             self.collectives_abandoned += 1
+
+    def count(self, name: str) -> None:
+        """Add one to counter ``name`` (one of the fields above)."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:

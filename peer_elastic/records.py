@@ -30,12 +30,13 @@ from peer_elastic.proto.records_pb2 import (
     MemberRecord,
     ProgressRecord,
     RunRecord,
+    SnapshotRecord,
 )
 
 __all__ = [
     "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
     "FenceRecord", "GenerationCause", "GenerationRecord",
-    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord",
+    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord", "SnapshotRecord",
     "encode", "decode", "valid_name",
 ]
 
@@ -124,6 +125,16 @@ def _validate(record: Message, key: str) -> None:
             if f.cpp_type in (f.CPPTYPE_DOUBLE, f.CPPTYPE_FLOAT) \
                     and not math.isfinite(getattr(c, f.name)):
                 raise bad(f"{f.name}={getattr(c, f.name)} is not a finite number")
+    elif isinstance(record, SnapshotRecord):
+        # The name is a key segment and a directory name: no "/" and no "..".
+        if not valid_name(record.name) or not record.name.startswith("snap-"):
+            raise bad(f"snapshot name {record.name!r}")
+        if not record.path or "\0" in record.path:
+            raise bad("no snapshot path")
+        if not math.isfinite(record.unix):
+            raise bad(f"unix={record.unix}")
+        if len(record.checksum) != 64 or any(c not in "0123456789abcdef" for c in record.checksum):
+            raise bad("checksum is not a sha256 hex digest")
     elif isinstance(record, (AckRecord, DrainRecord)):
         if not valid_name(record.member_id):
             raise bad(f"member id {record.member_id!r}")

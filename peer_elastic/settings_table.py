@@ -120,6 +120,15 @@ HANG_TIMEOUT = _job("hang_timeout_s", "PEER_ELASTIC_HANG_TIMEOUT", float, 30.0,
                     "a peer whose training thread spends this long in its own code without "
                     "reaching a step (outside collectives) dumps its stacks, leaves and exits 5 "
                     "(0 = off)")
+SNAPSHOT_DIR = _job("snapshot_dir", "PEER_ELASTIC_SNAPSHOT_DIR", str, "",
+                    "durable snapshots go to <dir>/<job>/ (a local path or a shared file system); "
+                    "a whole job restarted after losing every peer resumes from the newest "
+                    "(empty = off)")
+SNAPSHOT_EVERY = _job("snapshot_every_s", "PEER_ELASTIC_SNAPSHOT_EVERY", float, 300.0,
+                      "a commit at least this long after the last snapshot writes one in the "
+                      "background (only with a snapshot_dir)")
+SNAPSHOT_KEEP = _job("snapshot_keep", "PEER_ELASTIC_SNAPSHOT_KEEP", int, 3,
+                     "how many of the newest snapshots are kept")
 
 # --- this peer only ----------------------------------------------------------------------------
 
@@ -177,7 +186,8 @@ ETCD_BINARY = EnvVar("PEER_ELASTIC_ETCD_BINARY", str, None,
 #: Every variable, job settings first.
 ENV_VARS: tuple[EnvVar, ...] = (
     MIN_NP, MAX_NP, LEASE_TTL, JOIN_TIMEOUT, ELASTIC_TIMEOUT, RESET_LIMIT, BLACKLIST_AFTER,
-    BLACKLIST_COOLDOWN, SETTLE, START_SETTLE, RUN_TTL, HANG_TIMEOUT,
+    BLACKLIST_COOLDOWN, SETTLE, START_SETTLE, RUN_TTL, HANG_TIMEOUT, SNAPSHOT_DIR, SNAPSHOT_EVERY,
+    SNAPSHOT_KEEP,
     JOB, ETCD, ETCD_CA, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, BACKEND,
     COLLECTIVE_TIMEOUT, ABANDON_COLLECTIVES, HOST, NET_ADDR, NET_IFNAME, LOG_LEVEL, LOCAL_RANK, METRICS_PORT,
     METRICS_ADDR,

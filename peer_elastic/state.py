@@ -140,6 +140,16 @@ class State:
         unless the run loop chose the rank holding the newest state)."""
         raise NotImplementedError
 
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The live state for a durable snapshot (``peer_elastic.durable``): tensors by name
+        (live aliases: the caller copies them) and a tree of plain values (tagged JSON)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
+
+    def durable_targets(self, plain: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Apply a snapshot's plain part to the live state and return the live tensors its
+        tensors are loaded into, by the names ``durable_state`` gave them."""
+        raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
+
 
 def _check_names(cls: type, names: Iterable[str]) -> None:
     """Attribute names must not shadow the State API or its private fields."""
@@ -191,6 +201,18 @@ class ObjectState(State):
             )
         for name in self._names:
             setattr(self, name, values[name])
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {}, {"values": {name: copy_plain(getattr(self, name)) for name in self._names}}
+
+    def durable_targets(self, plain: dict[str, Any]) -> dict[str, torch.Tensor]:
+        values = plain.get("values")
+        if not isinstance(values, dict) or set(values) != set(self._names):
+            raise ValueError(f"snapshot values {sorted(values or ())} differ from the state's "
+                             f"{sorted(self._names)}")
+        for name in self._names:
+            setattr(self, name, values[name])
+        return {}
 
 
 class TorchState(ObjectState):
@@ -267,6 +289,25 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         for handler in self._ordered_handlers():
             handler.reset()
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, plain = super().durable_state()
+        handlers: dict[str, Any] = {}
+        for name in sorted(self._handlers):
+            own, handlers[name] = self._handlers[name].durable_state()
+            tensors.update({f"{name}/{key}": t for key, t in own.items()})
+        return tensors, {**plain, "handlers": handlers}
+
+    def durable_targets(self, plain: dict[str, Any]) -> dict[str, torch.Tensor]:
+        handlers = plain.get("handlers")
+        if not isinstance(handlers, dict) or set(handlers) != set(self._handlers):
+            raise ValueError(f"snapshot holds {sorted(handlers or ())}, the state "
+                             f"{sorted(self._handlers)}")
+        targets = super().durable_targets(plain)
+        for name in sorted(self._handlers):
+            own = self._handlers[name].durable_targets(handlers[name])
+            targets.update({f"{name}/{key}": t for key, t in own.items()})
+        return targets
 
     def has_local_progress(self) -> bool:
         return any(h.has_local_progress() for h in self._handlers.values())

@@ -35,6 +35,16 @@ def chromium() -> str:
     return path
 
 
+def state_until(url: str, predicate, timeout: float = 30) -> dict:  # noqa: ANN001
+    """``/api/state`` once ``predicate`` holds of it (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = json.load(urllib.request.urlopen(url + "api/state", timeout=30))
+        if predicate(doc) or time.monotonic() > deadline:
+            return doc
+        time.sleep(0.1)  # sampling the served document, as the page does
+
+
 def wait_page(browser: Browser, expression: str, timeout: float) -> float:
     """Evaluate ``expression`` in the page until it is true; when it became so (bounded)."""
     deadline = time.monotonic() + timeout
@@ -63,7 +73,8 @@ def test_dashboard_lists_members_and_shows_a_kill_as_a_new_generation(
         ids = [p.wait_line("READY").split()[1] for p in peers]
         assert view.wait_for(lambda s: s.generation is not None
                              and len(s.generation.roster) == 3, 60)
-        doc = json.load(urllib.request.urlopen(dash.url + "api/state", timeout=30))
+        doc = state_until(dash.url, lambda d: d["status"] is not None
+                          and len(d["status"]["members"]) == 3)
         assert {m["id"] for m in doc["status"]["members"]} == set(ids)
 
         browser.goto(dash.url)
@@ -98,6 +109,8 @@ def test_dashboard_lists_members_and_shows_a_kill_as_a_new_generation(
 def test_dashboard_command_serves_loopback_until_terminated(etcd: str, unique_job: str) -> None:
     from peer_elastic.config import JobSettings
     from peer_elastic.etcd.coordinator import Coordinator
+    from peer_elastic.etcd.snapshot_records import record_snapshot
+    from peer_elastic.records import SnapshotRecord
 
     client = EtcdClient(etcd)
     c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
@@ -109,8 +122,14 @@ def test_dashboard_command_serves_loopback_until_terminated(etcd: str, unique_jo
         url = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
         assert url, line
         c.wait_generation(0, timeout=10)
-        doc = json.load(urllib.request.urlopen(url[1] + "api/state", timeout=30))
+        record_snapshot(client, unique_job, SnapshotRecord(
+            name="snap-00000007", path="/shared/s", commits=7, epoch=1, step=7, checksum="0" * 64,
+            unix=time.time(), host="h1", run_id="r1"))
+        # The page's document follows the dashboard's own watch: wait until it caught up.
+        doc = state_until(url[1], lambda d: d["status"] is not None
+                          and d["status"]["snapshot"] is not None)
         assert [m["id"] for m in doc["status"]["members"]] == [c.member_id]
+        assert doc["status"]["snapshot"]["commits"] == 7 and doc["snapshot_count"] == 1
         page = urllib.request.urlopen(url[1], timeout=30).read().decode()
         assert "/api/state" in page and "<script" in page
         proc.send_signal(signal.SIGTERM)

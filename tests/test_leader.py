@@ -191,3 +191,15 @@ def test_a_done_records_cause_picks_the_error(cause: int, reason: str, error: ty
     err = done_error("job", DoneRecord(success=False, reason=reason, cause=cause))
     assert type(err) is error
     assert type(done_error("job", DoneRecord(success=True, cause=cause))) is JobFinished
+
+
+def test_when_every_member_is_drained_the_oldest_writes_the_empty_roster() -> None:
+    # peer-elastic drain --all: nobody is eligible, yet someone must let them all leave.
+    s = dataclasses.replace(snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1", "b-1"]),
+                            drains=frozenset({"a-1", "b-1"}))
+    lb, wb = leader("b-1")
+    lb.step(s, 100.0)
+    assert wb.calls == []  # not the oldest
+    la, wa = leader("a-1")
+    la.step(s, 100.0)
+    assert [c[:3] for c in wa.calls if c[0] == "generation"] == [("generation", 3, ())]

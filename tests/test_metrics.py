@@ -83,7 +83,9 @@ _C = GenerationCause
     ([_C.GENERATION_CAUSE_LEFT, _C.GENERATION_CAUSE_JOINED], {}, "left"),
     ([_C.GENERATION_CAUSE_BROKEN, _C.GENERATION_CAUSE_DROPPED, _C.GENERATION_CAUSE_LEFT,
       _C.GENERATION_CAUSE_JOINED], {}, "crash"),
-    ([_C.GENERATION_CAUSE_HUNG], {}, "other"),
+    ([_C.GENERATION_CAUSE_HUNG], {}, "hung"),
+    ([_C.GENERATION_CAUSE_HUNG, _C.GENERATION_CAUSE_LEFT], {}, "hung"),
+    ([_C.GENERATION_CAUSE_HUNG, _C.GENERATION_CAUSE_BROKEN], {}, "crash"),
     ([_C.GENERATION_CAUSE_CAPPED], {}, "other"),
     ([99], {}, "other"),  # a cause from a newer writer
     ([_C.GENERATION_CAUSE_JOINED], {"crashed": True}, "crash"),
@@ -212,6 +214,7 @@ def test_resets_are_counted_by_a_bounded_reason() -> None:
     assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 0.5) == "joined"
     assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 0.125, crashed=True) == "crash"
     assert m.record_reset([_C.GENERATION_CAUSE_JOINED], 2.0, lease_lost=True) == "lease_lost"
+    assert m.record_reset([_C.GENERATION_CAUSE_HUNG], 1.5) == "hung"
     assert m.record_reset([], 0.75) == "other"
     for reason in pm.REASONS:
         assert sample(m, "peer_elastic_resets_total", reason=reason) == 1

@@ -14,12 +14,14 @@ from peer_elastic.config import JOB_FIELDS, validate
 from peer_elastic.errors import ConfigError, EtcdError, PeerElasticError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn
 from peer_elastic.etcd.keys import JobKeys, RunKeys
+from peer_elastic.etcd.snapshot_records import list_snapshots
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.records import (
     DrainRecord,
     EventRecord,
     JobConfig,
     RunRecord,
+    SnapshotRecord,
     decode,
     encode,
     valid_name,
@@ -54,6 +56,28 @@ def drain(client: EtcdClient, job: str, member_id: str, requested_by: str = "ope
         Txn.put(keys.drain(member_id), encode(rec), run.lease_id),
         Txn.put(keys.event(member_id), encode(event), run.lease_id),
     ])
+
+
+def drain_all(client: EtcdClient, job: str, requested_by: str = "operator") -> list[str]:
+    """Ask every member to leave gracefully: a stop of the whole job with nothing lost (the
+    job is not marked done; rank 0 writes a final durable snapshot when the job has a
+    ``snapshot_dir``, and a later start resumes from it). Returns the member ids drained."""
+    run, _ = current_run(client, job)
+    keys = RunKeys(job, run.run_id)
+    kvs, _ = client.get_prefix(keys.prefix + "members/")
+    members = sorted(m for kv in kvs if valid_name(m := kv.key.rsplit("/", 1)[-1]))
+    if not members:
+        raise ConfigError(f"job {job!r} has no members to drain")
+    now = time.time()
+    ops = []
+    for member_id in members:
+        rec = DrainRecord(member_id=member_id, requested_by=requested_by, unix=now)
+        ops.append(Txn.put(keys.drain(member_id), encode(rec), run.lease_id))
+    event = EventRecord(kind="drain requested", member_id="operator", unix=now,
+                        detail=f"all {len(members)} members, by {requested_by}")
+    ops.append(Txn.put(keys.event("operator"), encode(event), run.lease_id))
+    client.txn([], ops)
+    return members
 
 
 def _parse_changes(changes: Mapping[str, object]) -> dict[str, object]:
@@ -115,7 +139,17 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
         view.stop()
     if snap.run is None:
         raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
-    return status_document(job, snap, time.time(), last_seen(client, snap))
+    doc = status_document(job, snap, time.time(), last_seen(client, snap))
+    snapshots = list_snapshots(client, job)
+    doc["snapshot"] = snapshot_document(snapshots[-1]) if snapshots else None
+    return doc
+
+
+def snapshot_document(rec: SnapshotRecord) -> dict[str, Any]:
+    """One snapshot record as ``status --json`` and ``snapshots --json`` show it."""
+    return {"name": rec.name, "path": rec.path, "commits": rec.commits, "epoch": rec.epoch,
+            "step": rec.step, "unix": rec.unix, "checksum": rec.checksum, "run_id": rec.run_id,
+            "bytes": rec.bytes, "host": rec.host}
 
 
 def last_seen(client: EtcdClient, snap: ViewSnapshot) -> dict[str, int | None]:

@@ -2,6 +2,7 @@
 
 ```
 /peer-elastic/<job>/run                         RunRecord (run lease)
+/peer-elastic/<job>/snapshots/<name>            SnapshotRecord (no lease: outlives runs)
 /peer-elastic/<job>/<run>/members/<member>      MemberRecord (member lease)
 /peer-elastic/<job>/<run>/generation            GenerationRecord (run lease; CAS by the leader)
 /peer-elastic/<job>/<run>/gen/<n>/ready/<m>     AckRecord (member lease)
@@ -17,7 +18,7 @@
 /peer-elastic/<job>/<run>/done                  DoneRecord (run lease)
 ```
 
-Everything but ``run`` lives under the run id, and every key is attached to a lease, so a
+Everything but ``run`` and ``snapshots/`` lives under the run id, and every key is attached to a lease, so a
 finished or abandoned run disappears ``run_ttl`` after its last peer and the job name can
 be used again without colliding with stale keys.
 
@@ -62,6 +63,14 @@ class JobKeys:
 
     def run(self, run_id: str) -> RunKeys:
         return RunKeys(self.job, run_id)
+
+    @property
+    def snapshots_prefix(self) -> str:
+        """Durable snapshots' records: job level, since a resumed job is a new run."""
+        return self.prefix + "snapshots/"
+
+    def snapshot(self, name: str) -> str:
+        return self.snapshots_prefix + name
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,7 @@ class KeyKind(enum.Enum):
     PROGRESS = "progress"
     DONE = "done"
     EVENT = "events"
+    SNAPSHOT = "snapshots"
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,8 @@ def parse(key: str) -> ParsedKey | None:
     run_id, _, tail = rest.partition("/")
     if not run_id or not tail:
         return None
+    if run_id == "snapshots":  # job level; run ids are "r<time>-<hex>", never this word
+        return ParsedKey(KeyKind.SNAPSHOT, job, "", tail) if valid_name(tail) else None
     path = tail.split("/")
     head = path[0]
     if len(path) == 1 and head in _RUN_SINGLE:

@@ -134,6 +134,11 @@ class Leader:
         # The writer is the oldest eligible member that is not itself silent, so a silent
         # leader is replaced by the next-oldest.
         writer = next((m.id for m in eligible if m.id not in silent), None)
+        if not eligible:
+            # Every member is drained (``peer-elastic drain --all``): someone must still write
+            # the empty roster that lets them all leave together, so the oldest live member
+            # does (the plan can then only be that empty roster).
+            writer = next((m.id for m in snap.by_age if m.id not in silent), None)
         if writer != self.writer.member_id:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None

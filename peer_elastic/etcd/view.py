@@ -274,6 +274,8 @@ class JobView:
         if k is None:
             self._bad(kv.key, f"{kv.key}: unexpected key under the job prefix")
             return
+        if k.kind is KeyKind.SNAPSHOT:
+            return  # job-level durable snapshot records: not part of any run's picture
         try:
             if k.kind is KeyKind.RUN:
                 run = decode(RunRecord, kv.value, kv.key)

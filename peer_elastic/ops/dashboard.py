@@ -21,9 +21,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from peer_elastic.errors import EtcdError
-from peer_elastic.etcd.admin import last_seen, status_document
+from peer_elastic.etcd.admin import last_seen, snapshot_document, status_document
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.snapshot_records import list_snapshots
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.ops import timeline as tl
 from peer_elastic.ops.page import PAGE
@@ -49,6 +50,7 @@ class JobState:
         self._progress: list[tl.ProgressPoint] = []
         self._progress_complete = True
         self._seen: dict[str, int | None] = {}
+        self._snapshots: list[dict[str, Any]] = []  # durable snapshots' records, oldest first
         self._seen_at = 0.0
 
     def start(self) -> JobState:
@@ -71,6 +73,8 @@ class JobState:
             except EtcdError as exc:  # show the last picture; say why it may be stale
                 log.debug("dashboard refresh: %s", exc)
             status = status_document(self.job, snap, now, self._seen)
+            # As `status --json` has it: the newest durable snapshot (job level, outlives runs).
+            status["snapshot"] = self._snapshots[-1] if self._snapshots else None
             for m in status["members"]:
                 m["ready_acked"] = m["id"] in snap.ready_for(status["generation"])
             timeline = tl.build(self._run_id, self._events, self._progress,
@@ -79,6 +83,7 @@ class JobState:
             return {
                 "job": self.job, "now": now, "status": status,
                 "steps_per_s": rates[-1][1] if rates else None,
+                "snapshot_count": len(self._snapshots),
                 "timeline": {
                     "generations": [asdict(g) for g in timeline.generations],
                     "recoveries": [asdict(r) for r in timeline.recoveries],
@@ -101,6 +106,8 @@ class JobState:
         if snap.version != self._version:
             self._version = snap.version
             self._events = tl.read_events(self.client, keys)
+            # Snapshot records live under the watched job prefix: a new one changes the view.
+            self._snapshots = [snapshot_document(r) for r in list_snapshots(self.client, self.job)]
             p = snap.progress
             if p is not None and (not self._progress or p.unix > self._progress[-1].unix):
                 self._progress.append(tl.ProgressPoint(p.unix, p.step, p.epoch, p.generation,

@@ -107,10 +107,11 @@ function render(doc) {
   $("progress").textContent = p ? ("epoch " + p.epoch + ", batch " + p.batch + ", step " +
     p.step + " (" + p.age_s + " s ago), " + (doc.steps_per_s === null ? "steps/s: not yet known"
     : doc.steps_per_s.toFixed(2) + " steps/s")) : "no progress recorded (the script does not call record_progress)";
-  const snap = s.snapshot;  // present once durable snapshots record themselves in etcd
-  $("snapshots").textContent = snap ? ("newest: commit " + snap.commits + ", epoch " +
-    snap.epoch + ", " + clock(snap.unix) + " at " + snap.host + ":" + snap.path)
-    : "none recorded for this job";
+  const snap = s.snapshot;  // the newest durable snapshot's record, or null
+  $("snapshots").textContent = snap ? (doc.snapshot_count + " recorded; newest: " +
+    snap.name + ", commit " + snap.commits + ", epoch " + snap.epoch + ", step " + snap.step +
+    ", " + clock(snap.unix) + " at " + snap.host + ":" + snap.path)
+    : "none recorded for this job (durable snapshots need a snapshot_dir)";
   table($("generations"), ["generation", "at", "world size", "causes", "reason"],
     tlx.generations.slice().reverse().map((g) => [g.number, clock(g.unix),
       g.world_size === null ? "not recorded" : g.world_size,

@@ -51,7 +51,7 @@ DONE_CAUSE_RESET_LIMIT: DoneCause
 DONE_CAUSE_ELASTIC_TIMEOUT: DoneCause
 
 class JobConfig(_message.Message):
-    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s")
+    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s", "snapshot_dir", "snapshot_every_s", "snapshot_keep")
     MIN_NP_FIELD_NUMBER: _ClassVar[int]
     MAX_NP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class JobConfig(_message.Message):
     RUN_TTL_S_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     HANG_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DIR_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEEP_FIELD_NUMBER: _ClassVar[int]
     min_np: int
     max_np: int
     lease_ttl_s: float
@@ -78,7 +81,10 @@ class JobConfig(_message.Message):
     run_ttl_s: float
     paused: bool
     hang_timeout_s: float
-    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ...) -> None: ...
+    snapshot_dir: str
+    snapshot_every_s: float
+    snapshot_keep: int
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ..., snapshot_dir: _Optional[str] = ..., snapshot_every_s: _Optional[float] = ..., snapshot_keep: _Optional[int] = ...) -> None: ...
 
 class RunRecord(_message.Message):
     __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by", "overridden")
@@ -281,3 +287,29 @@ class EventRecord(_message.Message):
     world_size: int
     causes: _containers.RepeatedScalarFieldContainer[GenerationCause]
     def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., world_size: _Optional[int] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
+
+class SnapshotRecord(_message.Message):
+    __slots__ = ("schema", "name", "path", "commits", "epoch", "step", "unix", "checksum", "run_id", "bytes", "host")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    name: str
+    path: str
+    commits: int
+    epoch: int
+    step: int
+    unix: float
+    checksum: str
+    run_id: str
+    bytes: int
+    host: str
+    def __init__(self, schema: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., commits: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., unix: _Optional[float] = ..., checksum: _Optional[str] = ..., run_id: _Optional[str] = ..., bytes: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...

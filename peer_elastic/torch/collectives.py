@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer_elastic.agreement import Agreement, Claim, agree
+from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
 from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.torch.snapshots import copy_all
 
@@ -261,7 +261,8 @@ def broadcast_tensors(
         _finish_bucket(in_flight.popleft(), is_src)
 
 
-def agree_and_sync(state: Any, claim: Claim, device: torch.device) -> Agreement:
+def agree_and_sync(state: Any, claim: Claim, device: torch.device,
+                   resume: Callable[[], Agreement | None] | None = None) -> Agreement:
     """Agree on the newest state version, then sync from a rank holding it if needed.
 
     Collective over the default group. One all-gather of every rank's :class:`Claim` (four
@@ -270,12 +271,19 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device) -> Agreement:
     same version and nobody asked for state. The state everybody ends with is saved as the
     new restore point: a failure before the next commit must not roll a rank back to what it
     held before.
+
+    ``resume`` (durable snapshots) is called on every rank when no rank holds committed
+    state (every claim at the initial version): it is collective, and returns the agreement
+    to sync by when some rank loaded a snapshot into its live state, else None.
     """
     mine = torch.tensor(claim.as_ints(), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     claims = [Claim.from_ints(t.tolist()) for t in gathered]
-    agreement = agree(claims)
+    resumed = None
+    if resume is not None and all(c.version == StateVersion() for c in claims):
+        resumed = resume()  # every rank decides the same: the claims are the same list
+    agreement = resumed or agree(claims)
     if agreement.source is None:
         return agreement
     if len({c.version for c in claims}) > 1:

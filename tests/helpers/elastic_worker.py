@@ -36,7 +36,13 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
 
-Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation,
+Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
+job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
+holds (the model's counts and the sampler's progress come from the same snapshot, so the
+work after it is redone and counted once).
+
+Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation, then
+``START <epoch> <samples processed this epoch> <commit count>`` (what the state holds then),
 ``STEP <epoch> <batch> <generation>`` every few batches, and on rank 0 at the end
 ``RESULT <json>``.
 """
@@ -206,6 +212,7 @@ def main() -> int:
         def train(state: pe.TorchState) -> dict:
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
+            say("START", state.epoch, state.sampler.processed_count, state.commit_count)
             while state.epoch < EPOCHS and not end_requested():
                 counter.epoch = state.epoch
                 shard = list(iter(state.sampler))

@@ -1,0 +1,326 @@
+"""Where durable snapshots live on disk, what a complete one is, and which are kept.
+
+No torch here: this is the part the writer, the resume path and the CLI share.
+
+Layout, one directory per job so that jobs sharing a ``snapshot_dir`` never mix::
+
+    <snapshot_dir>/<job>/snap-<commits:012d>-<unix_ns:020d>/
+        .metadata, __0_0.distcp     torch.distributed.checkpoint files (the tensors)
+        plain.json                  tagged JSON (peer_elastic.codec): values, structure
+        manifest.json               written last: every file's size and sha256
+    <snapshot_dir>/<job>/.tmp-snap-...   a snapshot being written
+
+A snapshot is written into a temporary directory, renamed into place, and only then given
+its manifest (itself written to a temporary name and renamed). So a directory without a
+manifest is torn (the writer died), and one whose files do not match their manifest is
+corrupt: both are skipped when resuming. Names sort by (commits, time), so the newest
+snapshot is the last name; the time part keeps two snapshots with the same commit count
+apart (a run that resumed from an older snapshot after the newest was found corrupt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peer_elastic.records import valid_name
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "METADATA",
+    "PLAIN",
+    "CorruptSnapshot",
+    "FileEntry",
+    "Manifest",
+    "SnapshotDir",
+    "SnapshotId",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+PLAIN = "plain.json"
+METADATA = ".metadata"  # DCP's own index of the tensor files
+_NAME = re.compile(r"^snap-(\d{12})-(\d{20})$")
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_S = 3600.0  # a temporary directory this old belongs to a writer that died
+
+
+class CorruptSnapshot(Exception):
+    """A snapshot directory that is torn (no manifest) or does not match its manifest."""
+
+
+@dataclass(frozen=True, order=True)
+class SnapshotId:
+    """Names one snapshot; orders oldest first."""
+
+    commits: int
+    unix_ns: int
+
+    @property
+    def name(self) -> str:
+        return f"snap-{self.commits:012d}-{self.unix_ns:020d}"
+
+    @classmethod
+    def parse(cls, name: str) -> SnapshotId | None:
+        m = _NAME.match(name)
+        return cls(int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete snapshot holds; JSON on disk (never pickle)."""
+
+    id: SnapshotId
+    job: str
+    run_id: str
+    generation: int
+    world_size: int
+    epoch: int
+    step: int
+    files: dict[str, FileEntry] = field(default_factory=dict)
+
+    @property
+    def unix(self) -> float:
+        return self.id.unix_ns / 1e9
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = {"format": FORMAT, "name": self.id.name, "job": self.job, "run_id": self.run_id,
+               "generation": self.generation, "world_size": self.world_size,
+               "epoch": self.epoch, "step": self.step,
+               "files": {n: {"size": f.size, "sha256": f.sha256}
+                         for n, f in sorted(self.files.items())}}
+        return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
+
+    def digest(self) -> str:
+        """sha256 of the manifest: one checksum that covers every file (etcd records)."""
+        return hashlib.sha256(self.to_json()).hexdigest()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate; ValueError on anything malformed."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+            sid = SnapshotId.parse(str(doc["name"]))
+            if sid is None:
+                raise ValueError(f"bad snapshot name {doc['name']!r}")
+            files = {}
+            for name, entry in dict(doc["files"]).items():
+                if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+                    raise ValueError(f"bad file name {name!r}")
+                sha = str(entry["sha256"])
+                if not re.fullmatch(r"[0-9a-f]{64}", sha):
+                    raise ValueError(f"bad checksum for {name}")
+                files[name] = FileEntry(int(entry["size"]), sha)
+            return cls(sid, str(doc["job"]), str(doc["run_id"]), int(doc["generation"]),
+                       int(doc["world_size"]), int(doc["epoch"]), int(doc["step"]), files)
+        except (KeyError, TypeError, AttributeError, UnicodeDecodeError,
+                json.JSONDecodeError) as exc:
+            raise ValueError(f"malformed manifest: {exc}") from None
+
+
+def file_entry(path: Path, chunk: int = 1 << 22) -> FileEntry:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return FileEntry(size, h.hexdigest())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, all or nothing: a temporary file, fsync, rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class SnapshotDir:
+    """The snapshots of one job under ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str], job: str) -> None:
+        if not valid_name(job):
+            raise ValueError(f"invalid job name {job!r}")
+        self.root = Path(root)
+        self.job = job
+        self.path = self.root / job
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def names(self) -> list[SnapshotId]:
+        """Every snapshot directory (complete or not), oldest first; [] if there is none."""
+        try:
+            entries = os.listdir(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(sid for e in entries if (sid := SnapshotId.parse(e)) is not None)
+
+    def manifest(self, sid: SnapshotId) -> Manifest:
+        """The manifest of ``sid`` without checking its files (CorruptSnapshot if torn)."""
+        try:
+            data = (self.path / sid.name / MANIFEST).read_bytes()
+        except OSError as exc:
+            raise CorruptSnapshot(f"{sid.name}: no manifest ({exc.strerror}): torn") from None
+        try:
+            manifest = Manifest.from_json(data)
+        except ValueError as exc:
+            raise CorruptSnapshot(f"{sid.name}: {exc}") from None
+        if manifest.id != sid or manifest.job != self.job:
+            raise CorruptSnapshot(f"{sid.name}: manifest is for {manifest.job}/{manifest.id.name}")
+        return manifest
+
+    def verify(self, sid: SnapshotId) -> Manifest:
+        """The manifest of ``sid`` after checking every file's size and checksum."""
+        manifest = self.complete(sid)
+        for name, want in manifest.files.items():
+            try:
+                got = file_entry(self.path / sid.name / name)
+            except OSError as exc:
+                raise CorruptSnapshot(f"{sid.name}/{name}: {exc.strerror}") from None
+            if got != want:
+                raise CorruptSnapshot(f"{sid.name}/{name}: size or checksum differs from the "
+                                      "manifest")
+        return manifest
+
+    def complete(self, sid: SnapshotId) -> Manifest:
+        """The manifest of ``sid`` after checking that its files exist with their sizes
+        (cheap: no reading; :meth:`verify` checks the contents)."""
+        manifest = self.manifest(sid)
+        for required in (PLAIN, METADATA):
+            if required not in manifest.files:
+                raise CorruptSnapshot(f"{sid.name}: manifest lists no {required}")
+        for name, want in manifest.files.items():
+            try:
+                size = os.stat(self.path / sid.name / name).st_size
+            except OSError as exc:
+                raise CorruptSnapshot(f"{sid.name}/{name}: {exc.strerror}") from None
+            if size != want.size:
+                raise CorruptSnapshot(f"{sid.name}/{name}: {size} bytes, the manifest says "
+                                      f"{want.size}")
+        return manifest
+
+    def newest_complete(self, skip: frozenset[SnapshotId] = frozenset()) -> Manifest | None:
+        """The newest snapshot (not in ``skip``) that passes :meth:`complete`; torn ones are
+        skipped with a warning."""
+        for sid in reversed(self.names()):
+            if sid in skip:
+                continue
+            try:
+                return self.complete(sid)
+            except CorruptSnapshot as exc:
+                log.warning("skipping snapshot %s: %s", self.path / sid.name, exc)
+        return None
+
+    def newest_valid(self) -> Manifest | None:
+        """The newest snapshot whose files match its manifest; torn or corrupt ones are
+        skipped with a warning."""
+        for sid in reversed(self.names()):
+            try:
+                return self.verify(sid)
+            except CorruptSnapshot as exc:
+                log.warning("skipping snapshot %s: %s", self.path / sid.name, exc)
+        return None
+
+    def snapshot_path(self, sid: SnapshotId) -> Path:
+        return self.path / sid.name
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def temp_dir(self, sid: SnapshotId) -> Path:
+        """A fresh, empty temporary directory to write ``sid`` into."""
+        tmp = self.path / f"{_TMP_PREFIX}{sid.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def publish(self, tmp: Path, manifest: Manifest) -> Manifest:
+        """Move the written ``tmp`` into place, then give it its manifest (with checksums of
+        every file in it). Returns the manifest written."""
+        files = {p.name: file_entry(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = Manifest(manifest.id, manifest.job, manifest.run_id, manifest.generation,
+                            manifest.world_size, manifest.epoch, manifest.step, files)
+        _fsync_dir(tmp)
+        final = self.snapshot_path(manifest.id)
+        os.rename(tmp, final)
+        _fsync_dir(self.path)
+        try:
+            write_atomic(final / MANIFEST, manifest.to_json())
+        except BaseException:
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        return manifest
+
+    def prune(self, keep: int, now: float | None = None) -> list[SnapshotId]:
+        """Delete all but the ``keep`` newest complete snapshots, every manifest-less one
+        older than the newest kept, and temporary directories of writers long gone.
+        Returns what was deleted (snapshots only)."""
+        complete: list[SnapshotId] = []
+        torn: list[SnapshotId] = []
+        for sid in self.names():
+            try:
+                self.manifest(sid)
+                complete.append(sid)
+            except CorruptSnapshot:
+                torn.append(sid)
+        kept = complete[-keep:] if keep > 0 else complete
+        oldest_kept = kept[0] if kept else None
+        doomed = [s for s in complete if s not in kept]
+        doomed += [s for s in torn if oldest_kept is not None and s < oldest_kept]
+        for sid in doomed:
+            shutil.rmtree(self.snapshot_path(sid), ignore_errors=True)
+        now = time.time() if now is None else now
+        try:
+            for entry in os.scandir(self.path):
+                if entry.name.startswith(_TMP_PREFIX) and \
+                        now - entry.stat().st_mtime > _STALE_TMP_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            pass
+        return sorted(doomed)
+
+
+def describe(manifest: Manifest) -> dict[str, Any]:
+    """A manifest as a small dict (for the CLI and logs)."""
+    return {"name": manifest.id.name, "commits": manifest.id.commits, "epoch": manifest.epoch,
+            "step": manifest.step, "unix": manifest.unix, "bytes": manifest.total_bytes,
+            "run_id": manifest.run_id, "world_size": manifest.world_size}
