@@ -223,12 +223,16 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOption
     procs: list[subprocess.Popen[Any]] = []
     stopping = {"signal": 0}
     tracker: RankTracker | None = None
-    ready = threading.Event()
 
     def track() -> None:
         nonlocal tracker
-        tracker = _start_tracker(env)
-        ready.set()
+        started = _start_tracker(env)
+        tracker = started
+        # Peers started before the watch was up; those started after add themselves below
+        # (a peer seen by both is added twice, which is harmless).
+        if started is not None:
+            for i, p in enumerate(list(procs)):
+                started.add(i, p.pid)
 
     def label(index: int) -> str:
         t = tracker
@@ -253,11 +257,9 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOption
             penv = dict(env, **{LOCAL_RANK.env: str(i)})
             p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             procs.append(p)
-            mux.attach(i, p.stdout, p.stderr)
-        ready.wait(15)
-        if tracker is not None:
-            for i, p in enumerate(procs):
+            if tracker is not None:
                 tracker.add(i, p.pid)
+            mux.attach(i, p.stdout, p.stderr)
         codes = [p.wait() for p in procs]
     finally:
         signal.signal(signal.SIGINT, old_int)
@@ -269,6 +271,7 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOption
         mux.close()
         if tracker is not None:
             tracker.stop()
+            tracker.client.close()
     if stopping["signal"]:
         return EXIT_INTERRUPTED
     failed = [c for c in codes if c != 0]

@@ -5,7 +5,7 @@ of the process that registered it, and the generation record lists members in ra
 So a peer's current rank is a lookup in the job's watched picture (the same
 :class:`~peer_elastic.etcd.view.JobView` the peers use), typed records only, with no
 parsing of the peers' output. The command must be the peer process itself (``python
-train.py``, or a wrapper that ``exec``\\ s it) for its pid to match.
+train.py``, or a wrapper that replaces itself with it by ``exec``) for its pid to match.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class RankTracker:
     """Keeps :func:`roles` of the launcher's peers current from a watch of the job."""
 
     def __init__(self, client: EtcdClient, job: str, host: str) -> None:
+        self.client = client
         self._view = JobView(client, job)
         self._host = host
         self._pids: dict[int, int] = {}
