@@ -17,11 +17,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerElasticError
-from peer_elastic.settings_table import ETCD, JOB, LOCAL_RANK
+from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
+from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK
+
+if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
+    from peer_elastic.ops.ranks import RankTracker
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -60,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start an embedded etcd on a free loopback port for this run")
     run.add_argument("--job", default=None, help="job name (default: a fresh name)")
     run.add_argument("-n", "--nproc", type=int, required=True, help="number of peers to start")
+    run.add_argument("--log-dir", type=Path, default=None,
+                     help="write each peer's output to DIR/peer-<i>.log instead of the terminal")
+    run.add_argument("--tee", action="store_true",
+                     help="with --log-dir: write to the terminal as well")
     _setting_flags(run)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
@@ -97,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     snaps = _job_flags(sub.add_parser(
         "snapshots", help="list a job's durable snapshots (from their etcd records)"))
     snaps.add_argument("--json", action="store_true", help="machine-readable output")
+
+    dash = _job_flags(sub.add_parser(
+        "dashboard", help="serve a read-only web page of a job",
+        description="Members, the generation timeline with causes, recovery timings, "
+        "progress and settings, updated twice a second. Read-only; no authentication of "
+        "its own: it binds loopback unless --host says otherwise."))
+    dash.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    dash.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0: any)")
+
+    report = _job_flags(sub.add_parser(
+        "report", help="write a timeline of a job (world size, throughput, events)",
+        description="A self-contained SVG (or an HTML page around it) of the current run: "
+        "world size and throughput over time with every event marked. Works during and "
+        "after a run, while its keys are in etcd (run_ttl_s after its last peer)."))
+    report.add_argument("--out", required=True, type=Path, help="FILE.svg or FILE.html")
     return parser
 
 
@@ -122,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_snapshots(args, parser)
         if args.command in ("set", "pause", "resume"):
             return cmd_set(args, parser)
+        if args.command == "dashboard":
+            return cmd_dashboard(args, parser)
+        if args.command == "report":
+            return cmd_report(args, parser)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except EtcdUnavailable as exc:
@@ -148,6 +176,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run: give the command to run after --, e.g. -- python train.py")
     if args.nproc < 1:
         parser.error("run: -n must be at least 1")
+    if args.tee and args.log_dir is None:
+        parser.error("run: --tee needs --log-dir")
     job = args.job or f"job-{os.getpid()}-{int(time.time())}"
     env = dict(os.environ)
     env[JOB.env] = job
@@ -165,15 +195,50 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         env[ETCD.env] = args.etcd
     try:
-        return _run_peers(cmd, args.nproc, env)
+        return _run_peers(cmd, args.nproc, env, OutputOptions(args.log_dir, args.tee))
     finally:
         if server is not None:
             server.stop()
 
 
-def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
+def _start_tracker(env: dict[str, str]) -> RankTracker | None:
+    """A watch of the job that tells each peer's current rank (None if etcd is not reachable:
+    the output then carries the peer index alone)."""
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.etcd.registration import default_host
+    from peer_elastic.ops.ranks import RankTracker
+
+    try:
+        client = client_from_env(env[ETCD.env], retry_budget_s=10.0)
+        # The peers' host name as they report it: the same setting, read from their env.
+        host = env.get(HOST.env) or default_host()
+        return RankTracker(client, env[JOB.env], host).start()
+    except (PeerElasticError, OSError) as exc:
+        print(f"peer-elastic: ranks unknown ({exc}); lines carry the peer index",
+              file=sys.stderr)
+        return None
+
+
+def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOptions) -> int:
     procs: list[subprocess.Popen[Any]] = []
     stopping = {"signal": 0}
+    tracker: RankTracker | None = None
+
+    def track() -> None:
+        nonlocal tracker
+        started = _start_tracker(env)
+        tracker = started
+        # Peers started before the watch was up; those started after add themselves below
+        # (a peer seen by both is added twice, which is harmless).
+        if started is not None:
+            for i, p in enumerate(list(procs)):
+                started.add(i, p.pid)
+
+    def label(index: int) -> str:
+        t = tracker
+        if t is None:
+            return unknown_role(index)
+        return t.label(index)
 
     def forward(signum: int, frame: Any) -> None:
         # Ctrl-C or SIGTERM: every peer leaves gracefully (SIGTERM is "leave" to a peer).
@@ -182,12 +247,19 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
+    # The watch starts beside the peers: an etcd slow to answer must not delay them.
+    threading.Thread(target=track, name="rank-tracker", daemon=True).start()
+    mux = Multiplexer(label, output, sys.stdout.buffer, sys.stderr.buffer)
     old_int = signal.signal(signal.SIGINT, forward)
     old_term = signal.signal(signal.SIGTERM, forward)
     try:
         for i in range(n):
             penv = dict(env, **{LOCAL_RANK.env: str(i)})
-            procs.append(subprocess.Popen(cmd, env=penv))
+            p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs.append(p)
+            if tracker is not None:
+                tracker.add(i, p.pid)
+            mux.attach(i, p.stdout, p.stderr)
         codes = [p.wait() for p in procs]
     finally:
         signal.signal(signal.SIGINT, old_int)
@@ -196,6 +268,10 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str]) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+        mux.close()
+        if tracker is not None:
+            tracker.stop()
+            tracker.client.close()
     if stopping["signal"]:
         return EXIT_INTERRUPTED
     failed = [c for c in codes if c != 0]
@@ -252,7 +328,8 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"  last change: {doc['reason']}")
     for m in doc["members"]:
         role = "standby" if m["standby"] else f"rank {m['rank']}"
-        print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s"
+        seen = "?" if m["last_seen_s"] is None else m["last_seen_s"]
+        print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s, seen {seen} s ago"
               + (f"  at {m['net_address']}" if m["net_address"] else "")
               + (f"  metrics {m['address']}" if m["address"] else "")
               + ("  (draining)" if m["draining"] else ""))
@@ -309,7 +386,7 @@ def cmd_snapshots(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
     from peer_elastic.errors import RecordError
-    from peer_elastic.records import EventRecord, decode
+    from peer_elastic.records import EventRecord, GenerationCause, decode
 
     try:
         ev = decode(EventRecord, kv_value, key)
@@ -318,7 +395,12 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
     if as_json:
         return json.dumps({"unix": ev.unix, "kind": ev.kind, "member": ev.member_id,
                            "generation": ev.generation, "detail": ev.detail,
-                           "timings_s": dict(ev.timings_s)}, sort_keys=True)
+                           "timings_s": dict(ev.timings_s),
+                           # generation events of this version on: the new roster's size
+                           # and its typed causes (0 and [] from an older writer)
+                           "world_size": ev.world_size,
+                           "causes": [GenerationCause.Name(c) if c in GenerationCause.values()
+                                      else str(c) for c in ev.causes]}, sort_keys=True)
     stamp = time.strftime("%H:%M:%S", time.localtime(ev.unix)) + f".{int(ev.unix % 1 * 1000):03d}"
     line = f"{stamp} gen {ev.generation:<4} {ev.kind:<18} {ev.member_id:<28} {ev.detail}"
     if ev.timings_s:
@@ -358,6 +440,49 @@ def cmd_events(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 time.sleep(0.5)
         finally:
             watch.stop()
+
+
+def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.ops.dashboard import Dashboard
+
+    _need(args, parser, "etcd", "job")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        try:
+            dash = Dashboard(client, args.job, args.host, args.port).start()
+        except OSError as exc:
+            print(f"peer-elastic: cannot serve on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        print(f"peer-elastic: dashboard of job {args.job} at {dash.url} (Ctrl-C stops it)",
+              file=sys.stderr, flush=True)
+        # Signals only set an event: the serving threads stop in an orderly way.
+        stopping = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            stopping.wait()
+        finally:
+            dash.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return EXIT_INTERRUPTED
+
+
+def cmd_report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from peer_elastic.etcd.client import client_from_env
+    from peer_elastic.ops.report import write_report
+    from peer_elastic.ops.timeline import read_timeline
+
+    _need(args, parser, "etcd", "job")
+    if args.out.suffix not in (".svg", ".html"):
+        parser.error("report: --out must end in .svg or .html")
+    with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
+        timeline = read_timeline(client, args.job)
+    write_report(timeline, args.job, args.out)
+    print(f"wrote {args.out}: {len(timeline.generations)} generations, "
+          f"{len(timeline.events)} events, {len(timeline.progress)} progress points")
+    return EXIT_OK
 
 
 def cmd_set(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,15 @@ def test_events_follow_prints_new_events(coords, etcd, unique_job) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_status_shows_when_each_member_was_last_seen(coords, etcd, unique_job) -> None:
+    a = coords(lease_ttl_s=6)
+    roster_of(a, 1)
+    doc = json.loads(cli("status", "--etcd", etcd, "--job", unique_job, "--json").stdout)
+    (member,) = doc["members"]
+    # Seconds since its last lease keep-alive: refreshed about every TTL/3, counted to the
+    # second by etcd; a live member is never near its TTL.
+    assert isinstance(member["last_seen_s"], int) and 0 <= member["last_seen_s"] <= 3
+    text = cli("status", "--etcd", etcd, "--job", unique_job).stdout
+    assert re.search(rf"{a.member_id} .* seen \d+ s ago", text), text

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from peer_elastic.config import JOB_FIELDS, validate
-from peer_elastic.errors import ConfigError, PeerElasticError
+from peer_elastic.errors import ConfigError, EtcdError, PeerElasticError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn
 from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.snapshot_records import list_snapshots
@@ -139,7 +139,7 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
         view.stop()
     if snap.run is None:
         raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
-    doc = status_document(job, snap, time.time())
+    doc = status_document(job, snap, time.time(), last_seen(client, snap))
     snapshots = list_snapshots(client, job)
     doc["snapshot"] = snapshot_document(snapshots[-1]) if snapshots else None
     return doc
@@ -152,8 +152,25 @@ def snapshot_document(rec: SnapshotRecord) -> dict[str, Any]:
             "bytes": rec.bytes, "host": rec.host}
 
 
-def status_document(job: str, snap: ViewSnapshot, now: float) -> dict[str, Any]:
-    """:func:`job_status` of the picture ``snap`` at wall-clock ``now``."""
+def last_seen(client: EtcdClient, snap: ViewSnapshot) -> dict[str, int | None]:
+    """Seconds since each member last kept its lease alive (None: its lease is gone).
+
+    The lease is the member's proof of life: a peer refreshes it about every TTL/3 from a
+    thread of its own, and the key ends when it stops. So this is the truthful "last seen"
+    (to the second, as etcd counts TTLs), not an acknowledgement of training progress."""
+    out: dict[str, int | None] = {}
+    for m in snap.by_age:
+        try:
+            out[m.id] = client.lease_since_keepalive(m.lease) if m.lease else None
+        except EtcdError:
+            out[m.id] = None
+    return out
+
+
+def status_document(job: str, snap: ViewSnapshot, now: float,
+                    seen: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+    """:func:`job_status` of the picture ``snap`` at wall-clock ``now``; ``seen`` is
+    :func:`last_seen` (members missing from it show ``last_seen_s`` None)."""
     assert snap.run is not None
     gen = snap.generation
     roster = list(gen.roster) if gen else []
@@ -168,6 +185,7 @@ def status_document(job: str, snap: ViewSnapshot, now: float) -> dict[str, Any]:
         "pid": m.record.pid,
         "age_s": round(now - m.record.started_unix, 1),
         "draining": m.id in snap.drains,
+        "last_seen_s": (seen or {}).get(m.id),  # since its last lease keep-alive
     } for m in snap.by_age]
     p = snap.progress
     return {

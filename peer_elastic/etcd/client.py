@@ -473,6 +473,16 @@ class EtcdClient:
 
         return self._call(do, f"get {key}")
 
+    def get_at(self, key: str, revision: int) -> KeyValue | None:
+        """``key`` as it was at ``revision`` (its history, until etcd compacts it: then
+        :class:`RevisionCompacted`)."""
+        def do() -> KeyValue | None:
+            resp = self._raw.get_range_response(key, None, revision=revision)
+            self.note_header(resp.header)
+            return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
+
+        return self._call(do, f"get {key} at revision {revision}")
+
     def get_prefix(self, prefix: str, page_size: int = 1000) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at.
 
@@ -631,6 +641,18 @@ class EtcdClient:
             return True
         except LeaseNotFound:
             return False
+
+    def lease_since_keepalive(self, lease_id: int) -> int | None:
+        """Whole seconds since ``lease_id`` was last kept alive (granted TTL minus the TTL
+        left, as etcd counts them: to the second), or None when the lease is gone.
+
+        etcd also restores every lease to its full TTL when a new etcd leader takes over,
+        so just after an election this reads 0 for every lease."""
+        info = self._call(lambda: self._raw.get_lease_info(lease_id),
+                          f"lease {lease_id:x} ttl")
+        if info.TTL < 0:
+            return None
+        return max(0, int(info.grantedTTL) - int(info.TTL))
 
     def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL in seconds; -1 when the lease does not exist."""

@@ -191,7 +191,8 @@ class RunWriter:
         """What goes into the generation's transaction besides the record itself."""
         keys = self.keys
         event = EventRecord(kind="generation", member_id=self.member_id, generation=plan.number,
-                            detail=plan.reason, unix=time.time())
+                            detail=plan.reason, unix=time.time(), world_size=len(plan.roster),
+                            causes=list(plan.causes))
         ops = [Txn.put(keys.event(self.member_id), encode(event), self.run_lease)]
         if plan.number >= 3:  # two behind: nobody can still be forming it
             ops.append(Txn.delete(keys.gen_prefix(plan.number - 2), prefix=True))

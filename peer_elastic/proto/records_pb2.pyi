@@ -260,7 +260,7 @@ class DoneRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ..., cause: _Optional[_Union[DoneCause, str]] = ...) -> None: ...
 
 class EventRecord(_message.Message):
-    __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s")
+    __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s", "world_size", "causes")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,8 @@ class EventRecord(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     UNIX_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_S_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAUSES_FIELD_NUMBER: _ClassVar[int]
     schema: int
     kind: str
     member_id: str
@@ -282,7 +284,9 @@ class EventRecord(_message.Message):
     detail: str
     unix: float
     timings_s: _containers.ScalarMap[str, float]
-    def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    world_size: int
+    causes: _containers.RepeatedScalarFieldContainer[GenerationCause]
+    def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., world_size: _Optional[int] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
 
 class SnapshotRecord(_message.Message):
     __slots__ = ("schema", "name", "path", "commits", "epoch", "step", "unix", "checksum", "run_id", "bytes", "host")

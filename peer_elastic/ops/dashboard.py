@@ -1,0 +1,185 @@
+"""``peer-elastic dashboard``: a small read-only web page of one job, served by the package.
+
+A stdlib HTTP server (one thread per request) serves the page (:mod:`peer_elastic.ops.page`:
+plain HTML and a script, no build step) and ``/api/state``, a JSON document the page polls
+twice a second. The document is the ``status --json`` document plus the run's
+:class:`~peer_elastic.ops.timeline.Timeline` (generations, recoveries, events, progress and
+throughput). Nothing here writes to etcd. It binds loopback unless told otherwise: the
+page names hosts, addresses and the job's settings, and it has no authentication of its
+own; reach it through an SSH tunnel or a proxy that authenticates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from peer_elastic.errors import EtcdError
+from peer_elastic.etcd.admin import last_seen, snapshot_document, status_document
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.keys import RunKeys
+from peer_elastic.etcd.snapshot_records import list_snapshots
+from peer_elastic.etcd.view import JobView, ViewSnapshot
+from peer_elastic.ops import timeline as tl
+from peer_elastic.ops.page import PAGE
+
+log = logging.getLogger(__name__)
+
+#: How often the lease of every member is asked for its age (one request per member).
+LAST_SEEN_EVERY_S = 1.0
+
+
+class JobState:
+    """The document ``/api/state`` serves, rebuilt when the job changes (and at most every
+    :data:`LAST_SEEN_EVERY_S` for the members' last-seen times)."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self.client = client
+        self.job = job
+        self.view = JobView(client, job)
+        self._lock = threading.Lock()
+        self._version = -1
+        self._run_id = ""
+        self._events: list[tl.Event] = []
+        self._progress: list[tl.ProgressPoint] = []
+        self._progress_complete = True
+        self._seen: dict[str, int | None] = {}
+        self._snapshots: list[dict[str, Any]] = []  # durable snapshots' records, oldest first
+        self._seen_at = 0.0
+
+    def start(self) -> JobState:
+        self.view.start()
+        return self
+
+    def stop(self) -> None:
+        self.view.stop()
+
+    def document(self) -> dict[str, Any]:
+        with self._lock:  # one rebuild at a time; requests in between share it
+            snap = self.view.snapshot()
+            now = time.time()
+            if snap.run is None:
+                return {"job": self.job, "status": None, "now": now,
+                        "note": "no running run of this job in etcd (not started, or ended "
+                                "longer ago than run_ttl_s)"}
+            try:
+                self._refresh(snap, now)
+            except EtcdError as exc:  # show the last picture; say why it may be stale
+                log.debug("dashboard refresh: %s", exc)
+            status = status_document(self.job, snap, now, self._seen)
+            # As `status --json` has it: the newest durable snapshot (job level, outlives runs).
+            status["snapshot"] = self._snapshots[-1] if self._snapshots else None
+            for m in status["members"]:
+                m["ready_acked"] = m["id"] in snap.ready_for(status["generation"])
+            timeline = tl.build(self._run_id, self._events, self._progress,
+                                self._progress_complete)
+            rates = timeline.throughput()
+            return {
+                "job": self.job, "now": now, "status": status,
+                "steps_per_s": rates[-1][1] if rates else None,
+                "snapshot_count": len(self._snapshots),
+                "timeline": {
+                    "generations": [asdict(g) for g in timeline.generations],
+                    "recoveries": [asdict(r) for r in timeline.recoveries],
+                    "events": [asdict(e) for e in timeline.events[-200:]],
+                    "throughput": rates[-500:],
+                    "progress_complete": timeline.progress_complete,
+                },
+                "phases": [{"key": k, "what": w} for k, w in tl.PHASES],
+                "watch_connected": snap.connected_at > 0,
+            }
+
+    def _refresh(self, snap: ViewSnapshot, now: float) -> None:
+        assert snap.run is not None
+        keys = RunKeys(self.job, snap.run.run_id)
+        if snap.run.run_id != self._run_id:  # a new run: its own history
+            self._run_id = snap.run.run_id
+            self._events, self._version = [], -1
+            progress, self._progress_complete = tl.read_progress(self.client, keys)
+            self._progress = sorted(progress, key=lambda p: p.unix)
+        if snap.version != self._version:
+            self._version = snap.version
+            self._events = tl.read_events(self.client, keys)
+            # Snapshot records live under the watched job prefix: a new one changes the view.
+            self._snapshots = [snapshot_document(r) for r in list_snapshots(self.client, self.job)]
+            p = snap.progress
+            if p is not None and (not self._progress or p.unix > self._progress[-1].unix):
+                self._progress.append(tl.ProgressPoint(p.unix, p.step, p.epoch, p.generation,
+                                                       p.world_size))
+                del self._progress[:-tl.MAX_PROGRESS_POINTS]
+        if now - self._seen_at >= LAST_SEEN_EVERY_S:
+            self._seen, self._seen_at = last_seen(self.client, snap), now
+
+
+def _handler(state: JobState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "peer-elastic-dashboard"
+
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/":
+                self._send(200, "text/html; charset=utf-8", PAGE.encode())
+            elif path == "/api/state":
+                body = json.dumps(state.document(), default=str).encode()
+                self._send(200, "application/json", body)
+            else:
+                self._send(404, "text/plain", b"not found\n")
+
+        def _send(self, code: int, ctype: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            # The page's own inline script and style only; it loads nothing from elsewhere.
+            self.send_header("Content-Security-Policy", "default-src 'self'; "
+                             "script-src 'unsafe-inline'; style-src 'unsafe-inline'")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("dashboard: " + fmt, *args)
+
+    return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a browser's open connection must not hold up a stop
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        if ":" in address[0]:  # an IPv6 literal such as ::1
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
+class Dashboard:
+    """The page and its JSON, served from a thread (``url`` once started)."""
+
+    def __init__(self, client: EtcdClient, job: str, host: str = "127.0.0.1",
+                 port: int = 8080) -> None:
+        self.state = JobState(client, job)
+        self._server = _Server((host, port), _handler(self.state))
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="dashboard-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else host
+        return f"http://{host}:{port}/"
+
+    def start(self) -> Dashboard:
+        self.state.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self.state.stop()
