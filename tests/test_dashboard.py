@@ -20,6 +20,7 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.view import JobView
 from peer_elastic.ops.dashboard import Dashboard
 from tests.helpers.browser import Browser, find_chromium
+from tests.helpers.ci import running_in_ci
 from tests.helpers.procs import PeerProc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ DOCS_SCREENSHOT = ROOT / "docs" / "dashboard.png"
 def chromium() -> str:
     path = find_chromium()
     if path is None:
-        if os.environ.get("CI"):  # CI installs it (.ci/run): missing there is a failure
+        if running_in_ci():  # CI installs it (.ci/run): missing there is a failure
             pytest.fail("chromium not found; .ci/run installs the Debian package")
         pytest.skip("chromium not installed (apt-get install chromium)")
     return path

@@ -24,9 +24,12 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import find_etcd_binary, free_port
 from peer_elastic.records import MemberRecord, decode
+from tests.helpers.ci import running_in_ci
 from tests.helpers.procs import PeerProc
 from tests.helpers.slurm import SlurmCluster, wait_for
 from tests.helpers.slurm import unavailable_reason as slurm_unavailable
+from tests.test_multihost import SETTINGS as MULTIHOST_SETTINGS
+from tests.test_partition import GEN_LINE, STEP_LINE
 
 SBATCH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "peer-elastic.sbatch"
 
@@ -112,32 +115,16 @@ def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
 # <job>.<step>` and leaves gracefully; a second `srun --jobid` joins; the exactly-once oracle
 # checks the result.
 
-REAL_SETTINGS = {
-    "PEER_ELASTIC_LEASE_TTL": 3,
-    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
-    "PEER_ELASTIC_START_SETTLE": 1.0,
-    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
-    "PEER_ELASTIC_MIN_NP": 2,
-    "PEER_ELASTIC_LOG_LEVEL": "INFO",
-    "WORKER_EPOCHS": 80,  # the job runs until the test writes WORKER_END_FILE
-    "WORKER_SAMPLES": 480,
-    "WORKER_STEP_S": 0.03,
-    "PYTHONUNBUFFERED": "1",
-}
+# The multi-host test's settings (short lease and join timeouts, the same worker job size).
+REAL_SETTINGS = {**MULTIHOST_SETTINGS, "PYTHONUNBUFFERED": "1"}
 WORKER = "tests/helpers/elastic_worker.py"
-GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
-STEP_LINE = re.compile(r"STEP (\d+) (\d+) (\d+)")
-
-
-def _ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture
 def slurm() -> Iterator[SlurmCluster]:
     reason = slurm_unavailable()
     if reason:
-        if _ci():
+        if running_in_ci():
             pytest.fail(f"CI is set, so the real-Slurm test must run, but: {reason} "
                         "(.ci/run installs the packages when run as root)")
         pytest.skip(f"real-Slurm test: {reason}")
