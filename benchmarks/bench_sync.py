@@ -2,8 +2,10 @@
 
 (a) Two processes (gloo), for models of about 0.4M, 50M and 200M parameters with Adam after
     one step: ``TorchState.sync()`` from rank 0 into a rank holding other values, the whole
-    reset-time path ``agree_and_sync`` (claims all-gather, sync, the restore point refreshed),
-    and a raw ``dist.broadcast`` of one tensor with as many bytes as the state's tensors.
+    reset-time path ``agree_and_sync`` (claims all-gather, sync, the receiver's restore point
+    refreshed; rank 0's restore point already holds the agreed version, as after an
+    interrupt at a commit), and a raw ``dist.broadcast`` of one tensor with as many bytes as
+    the state's tensors.
 (b) A join into survivors: four processes, ranks 0-2 hold the same state (the survivors),
     rank 3 other values (the joiner). ``sync()`` striped over the three survivors (each sends
     a third of the bytes to the joiner), ``sync()`` as one broadcast from rank 0, and a raw
@@ -98,18 +100,20 @@ def bench_pair(rank: int, millions: float, reps: int) -> dict[str, Any]:
     tensors = state_tensors(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     raw = torch.zeros(nbytes, dtype=torch.uint8)
+    # Rank 0's restore point holds the agreed version (an interrupt at a commit, a restore
+    # after a crash), so only rank 1 copies the synced state into its restore point.
     claim = Claim(StateVersion(1, 1, 1), needs_state=rank != 0)
+    committed = claim.version if rank == 0 else StateVersion()
     times = interleaved({
         "raw_broadcast": lambda: dist.broadcast(raw, src=0),
         "sync": state.sync,
-        "agree_and_sync": lambda: agree_and_sync(state, claim, torch.device("cpu")),
+        "agree_and_sync": lambda: agree_and_sync(state, claim, torch.device("cpu"),
+                                                 committed=committed),
     }, reps)
     out = {"millions": millions, "params": sum(p.numel() for p in model.parameters()),
            "tensors": len(tensors), "bytes": nbytes, "digest": digest(state_tensors(model, opt)), **times,
            "sync_share": share(times["raw_broadcast"], times["sync"]),
            "agree_and_sync_share": share(times["raw_broadcast"], times["agree_and_sync"])}
-    del state, model, opt, raw, tensors
-    gc.collect()
     return out
 
 
@@ -140,8 +144,6 @@ def bench_join(rank: int, millions: float, reps: int, sources: int) -> dict[str,
            "bytes": nbytes, "digest": digest(state_tensors(model, opt)), **times,
            "striped_vs_raw": share(times["raw_broadcast"], times["striped_sync"]),
            "striped_vs_broadcast_sync": share(times["broadcast_sync"], times["striped_sync"])}
-    del state, model, opt, raw, tensors
-    gc.collect()
     return out
 
 
@@ -152,7 +154,10 @@ def worker(rank: int, world: int, port: int, job: dict[str, Any], results: Any) 
                             timeout=timedelta(seconds=600))
     try:
         if job["kind"] == "pair":
-            out = [bench_pair(rank, m, job["reps"][i]) for i, m in enumerate(job["sizes"])]
+            out = []
+            for reps, millions in zip(job["reps"], job["sizes"], strict=True):
+                out.append(bench_pair(rank, millions, reps))
+                gc.collect()  # free this size's state before the next is built
         else:
             out = [bench_join(rank, job["millions"], job["reps"], job["sources"])]
         results.put((rank, out))

@@ -37,6 +37,7 @@ __all__ = [
     "SamplerHandler",
     "StateHandler",
     "TensorHandler",
+    "describe_for_sync",
     "make_handler",
     "register_handler",
     "registered_handlers",
@@ -120,6 +121,20 @@ class StateHandler:
         (structure, plain values) and return the live tensors to load into, by the names
         ``durable_state`` gave them; they are overwritten in place."""
         raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
+
+
+def _defining_class(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def describe_for_sync(handler: StateHandler) -> SyncDescription | None:
+    """``handler.describe_sync()``, or None when the handler syncs with its own ``sync()``:
+    also when a subclass overrides ``sync`` but inherits ``describe_sync`` (its own way of
+    syncing must not be bypassed)."""
+    cls = type(handler)
+    if _defining_class(cls, "sync") is not _defining_class(cls, "describe_sync"):
+        return None
+    return handler.describe_sync()
 
 
 class TensorHandler(StateHandler):

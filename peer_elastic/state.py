@@ -44,7 +44,12 @@ import torch
 from torch import nn
 
 from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.handlers import StateHandler, make_handler, register_handler
+from peer_elastic.handlers import (
+    StateHandler,
+    describe_for_sync,
+    make_handler,
+    register_handler,
+)
 from peer_elastic.torch.collectives import (
     broadcast_bytes,
     broadcast_tensors,
@@ -291,7 +296,7 @@ class TorchState(ObjectState):
             super().sync()  # still validates that plain values are sendable
             return
         values = {name: getattr(self, name) for name in self._names}
-        described = {name: handler.describe_sync() for name, handler in
+        described = {name: describe_for_sync(handler) for name, handler in
                      sorted(self._handlers.items())}
         plain = {name: d.plain for name, d in described.items() if d is not None}
         payload = encode_values({"handlers": plain, "values": values},

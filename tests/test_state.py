@@ -579,3 +579,17 @@ def test_syncing_from_requires_the_source_among_the_holders() -> None:
     assert sync_holders() == ()
     assert shard_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert shard_bounds(1, 3) == [(0, 0), (0, 0), (0, 1)]
+
+
+def test_a_handler_with_its_own_sync_is_not_bypassed_by_an_inherited_description() -> None:
+    from peer_elastic.handlers import describe_for_sync
+
+    class OwnSync(ModuleHandler):
+        def sync(self) -> None:  # pragma: no cover - never called here
+            pass
+
+    net = _net()
+    assert describe_for_sync(OwnSync(net)) is None
+    described = describe_for_sync(ModuleHandler(net))
+    assert described is not None and len(described.tensors) == len(net.state_dict())
+    assert describe_for_sync(make_handler(ElasticSampler(range(4)))) is None
