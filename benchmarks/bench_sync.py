@@ -12,7 +12,8 @@
     ``dist.broadcast`` of the same bytes from rank 0.
 
 Every repetition runs each variant once, in turn, in the same processes (the machine's
-load hits all alike); medians and minimums over the repetitions. Each process uses one
+load hits all alike), and counts until the slowest rank is done; medians and minimums over
+the repetitions. Each process uses one
 thread. After the last repetition every rank's state digest must match rank 0's.
 
 Usage::
@@ -77,7 +78,9 @@ def digest(tensors: list[torch.Tensor]) -> str:
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict]:
-    """Each repetition runs every variant once, in turn, each after a barrier."""
+    """Each repetition runs every variant once, in turn, each after a barrier. A
+    repetition's time is the slowest rank's (a receiver's copies after the last byte count;
+    one all-reduce at the end collects them)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
@@ -85,7 +88,10 @@ def interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, 
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: {"median": statistics.median(t), "min": min(t)} for name, t in times.items()}
+    slowest = torch.tensor([times[name] for name in variants], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {name: {"median": statistics.median(t), "min": min(t)}
+            for name, t in zip(variants, slowest.tolist(), strict=True)}
 
 
 def share(baseline: dict, measured: dict) -> dict:
