@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Agreement", "Claim", "StateVersion", "agree"]
+__all__ = ["Agreement", "Claim", "StateVersion", "agree", "holders"]
 
 
 @dataclass(frozen=True, order=True)
@@ -96,3 +96,13 @@ def agree(claims: Sequence[Claim]) -> Agreement:
         return Agreement(None, newest)
     source = next(rank for rank, c in enumerate(claims) if c.version == newest)
     return Agreement(source, newest)
+
+
+def holders(claims: Sequence[Claim], version: StateVersion) -> tuple[int, ...]:
+    """Ranks that hold ``version`` and did not ask for state, in rank order.
+
+    They hold the same state bit for bit (a version names one state), so each can send part
+    of a sync; a rank that asked for state is never trusted with what it kept.
+    """
+    return tuple(rank for rank, c in enumerate(claims)
+                 if c.version == version and not c.needs_state)

@@ -308,7 +308,8 @@ class Peer:
         resume = None
         if self.snapshots is not None:
             resume = self.snapshots.resumer(state, self.generation, self.device)
-        agreement = agree_and_sync(state, Claim(self._live, need), self.device, resume)
+        agreement = agree_and_sync(state, Claim(self._live, need), self.device, resume,
+                                   committed=self._committed)
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
         self._live = self._committed = agreement.version

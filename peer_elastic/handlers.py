@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -29,12 +30,14 @@ from peer_elastic.torch.snapshots import Buffers, copy_all, same_meta
 
 __all__ = [
     "HandlerFactory",
+    "SyncDescription",
     "LRSchedulerHandler",
     "ModuleHandler",
     "OptimizerHandler",
     "SamplerHandler",
     "StateHandler",
     "TensorHandler",
+    "describe_for_sync",
     "make_handler",
     "register_handler",
     "registered_handlers",
@@ -42,11 +45,27 @@ __all__ = [
 ]
 
 
+@dataclass
+class SyncDescription:
+    """One object's state for a sync: plain values (tagged JSON) and tensors.
+
+    A handler that can describe itself this way lets ``TorchState.sync`` send every
+    handler's plain part in one message and every handler's tensors in one pipeline of
+    buckets (small tensors of several objects share a bucket), instead of a few collectives
+    per object.
+    """
+
+    plain: Any = None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
 class StateHandler:
     """Saves, restores and broadcasts one object held by a TorchState.
 
     Subclass it for your own types and ``register_handler(YourType, YourHandler)``. Use
-    ``broadcast_tensors`` and ``broadcast_plain`` in ``sync`` so nothing is pickled.
+    ``broadcast_tensors`` and ``broadcast_plain`` in ``sync`` so nothing is pickled. A
+    handler may instead implement ``describe_sync`` and ``adopt_sync``; a TorchState then
+    syncs it together with the others (``sync`` stays its way when used alone).
     """
 
     def __init__(self, value: Any) -> None:
@@ -59,6 +78,17 @@ class StateHandler:
         raise NotImplementedError
 
     def sync(self) -> None:
+        raise NotImplementedError
+
+    def describe_sync(self) -> SyncDescription | None:
+        """This object's live state as plain values plus tensors, or None (the default)
+        when the handler syncs with its own ``sync()``."""
+        return None
+
+    def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
+        """On every rank: make the live object match the sync source's ``plain`` part and
+        return the live tensors that then receive the source's tensors (same order, dtypes
+        and sizes as the source's ``describe_sync().tensors``)."""
         raise NotImplementedError
 
     def reset(self) -> None:
@@ -93,6 +123,20 @@ class StateHandler:
         raise NotImplementedError(f"{type(self).__name__} does not support durable snapshots")
 
 
+def _defining_class(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def describe_for_sync(handler: StateHandler) -> SyncDescription | None:
+    """``handler.describe_sync()``, or None when the handler syncs with its own ``sync()``:
+    also when a subclass overrides ``sync`` but inherits ``describe_sync`` (its own way of
+    syncing must not be bypassed)."""
+    cls = type(handler)
+    if _defining_class(cls, "sync") is not _defining_class(cls, "describe_sync"):
+        return None
+    return handler.describe_sync()
+
+
 class TensorHandler(StateHandler):
     """A tensor kept in the state (e.g. a running metric): copied, not rebound."""
 
@@ -112,6 +156,12 @@ class TensorHandler(StateHandler):
 
     def sync(self) -> None:
         broadcast_tensors([self.value.detach()])
+
+    def describe_sync(self) -> SyncDescription:
+        return SyncDescription(None, [self.value.detach()])
+
+    def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
+        return [self.value.detach()]
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         return {"tensor": self.value.detach()}, None
@@ -173,6 +223,12 @@ class ModuleHandler(StateHandler):
 
     def sync(self) -> None:
         broadcast_tensors([t for _, t in self._live()])
+
+    def describe_sync(self) -> SyncDescription:
+        return SyncDescription(None, [t for _, t in self._live()])
+
+    def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
+        return [t for _, t in self._live()]  # the layout, checked by the state, is the same
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         items = self._live()
@@ -378,6 +434,15 @@ class OptimizerHandler(StateHandler):
             tensors = self._materialize(received)
         broadcast_tensors(tensors)
 
+    def describe_sync(self) -> SyncDescription:
+        desc, tensors = self._describe()
+        return SyncDescription(desc, tensors)
+
+    def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
+        if not isinstance(plain, dict) or set(plain) != {"groups", "state"}:
+            raise ValueError("malformed optimizer description from the sync source")
+        return self._materialize(plain)
+
     def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         # The same description sync() sends: a fresh optimizer can be given this structure.
         desc, tensors = self._describe()
@@ -410,6 +475,13 @@ class LRSchedulerHandler(StateHandler):
     def sync(self) -> None:
         state = broadcast_plain(self.value.state_dict(), what=type(self.value).__name__)
         self.value.load_state_dict(state)
+
+    def describe_sync(self) -> SyncDescription:
+        return SyncDescription(self.value.state_dict(), [])
+
+    def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
+        self.value.load_state_dict(plain)
+        return []
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         return {}, self.value.state_dict()

@@ -44,8 +44,18 @@ import torch
 from torch import nn
 
 from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.handlers import StateHandler, make_handler, register_handler
-from peer_elastic.torch.collectives import broadcast_bytes, check_same_everywhere, world_size
+from peer_elastic.handlers import (
+    StateHandler,
+    describe_for_sync,
+    make_handler,
+    register_handler,
+)
+from peer_elastic.torch.collectives import (
+    broadcast_bytes,
+    broadcast_tensors,
+    broadcast_validated,
+    world_size,
+)
 
 __all__ = ["ObjectState", "State", "TorchState"]
 
@@ -278,13 +288,34 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """The sync source's state on every rank, in as few collectives as the handlers
+        allow: one all-reduce that checks the layout, one message with every plain part
+        (the handlers' descriptions and the plain values), one pipeline of buckets with every
+        describable handler's tensors; then each other handler's own ``sync()``."""
         if world_size() <= 1:
             super().sync()  # still validates that plain values are sendable
             return
-        check_same_everywhere(self._layout(), "TorchState layout")
-        for handler in self._ordered_handlers():
-            handler.sync()
-        super().sync()
+        values = {name: getattr(self, name) for name in self._names}
+        described = {name: describe_for_sync(handler) for name, handler in
+                     sorted(self._handlers.items())}
+        plain = {name: d.plain for name, d in described.items() if d is not None}
+        payload = encode_values({"handlers": plain, "values": values},
+                                where=type(self).__name__)
+        received = decode_values(broadcast_validated(payload, self._layout(),
+                                                     "TorchState layout"))
+        tensors: list[torch.Tensor] = []
+        for name, description in described.items():
+            if description is not None:
+                tensors += self._handlers[name].adopt_sync(received["handlers"][name])
+        broadcast_tensors(tensors)
+        for name, description in described.items():
+            if description is None:
+                self._handlers[name].sync()
+        values = received["values"]
+        if set(values) != set(self._names):  # pragma: no cover - the layout names them
+            raise ValueError(f"state attributes differ: {sorted(values)} vs {sorted(self._names)}")
+        for name in self._names:
+            setattr(self, name, values[name])
 
     def reset(self) -> None:
         for handler in self._ordered_handlers():

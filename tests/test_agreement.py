@@ -168,3 +168,12 @@ def _removals_only(rank: int, world: int, out: Path) -> None:
 def test_identical_versions_and_no_need_skip_the_sync(tmp_path: Path) -> None:
     _run_world(_removals_only, 2, tmp_path)
     assert [json.loads((tmp_path / f"{r}.json").read_text())["src"] for r in range(2)] == [None] * 2
+
+
+def test_holders_are_the_ranks_at_the_agreed_version_that_kept_their_state() -> None:
+    from peer_elastic.agreement import holders
+
+    claims = [Claim(V(2, 3, 4), False), Claim(V(2, 3, 4), True), Claim(V(1, 3, 4), False),
+              Claim(V(2, 3, 4), False)]
+    assert holders(claims, agree(claims).version) == (0, 3)
+    assert holders([Claim(V(), True)] * 2, V()) == ()

@@ -514,3 +514,82 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
             _assert_same(res[key], ref[key], f"rank{rank}.{key}")
         assert res["layout_error"] and res["type_error"] and res["group_ok"]
     assert ref["layout_error"] and ref["type_error"] and ref["group_ok"]
+
+
+# --- striped sync: several holders of the newest state send one shard each -----------------------
+
+
+def _striped_worker(rank: int, world: int, outdir: Path) -> None:
+    from peer_elastic.agreement import Claim, StateVersion
+    from peer_elastic.torch.collectives import agree_and_sync, syncing_from
+
+    out: dict[str, Any] = {}
+    holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
+    state = _build_state(0 if holder else 3)
+    newest = StateVersion(4, 2, 7)
+    claim = Claim(newest if holder else StateVersion(), needs_state=not holder)
+    if holder:
+        state.save()  # the survivors' last commit is the newest version: no save after sync
+    saved = state._handlers["model"]._buffers.data_ptrs()  # noqa: SLF001 - restore point
+    agreement = agree_and_sync(state, claim, torch.device("cpu"),
+                               committed=claim.version if holder else StateVersion())
+    out["source"] = agreement.source
+    out["synced"] = _dump(state)
+    with torch.no_grad():  # the restore point must be the synced state
+        for p in state.model.parameters():
+            p.add_(1.0)
+    state.restore()
+    out["restored"] = _dump(state)
+    out["same_buffers"] = saved == state._handlers["model"]._buffers.data_ptrs()  # noqa: SLF001
+
+    # Edge cases of the shards: mixed dtypes, a 1-element tensor (two empty shards), an empty
+    # tensor, a non-contiguous view, tiny buckets; holders 1 and 2 (source 1) send to 0 and 3.
+    gen = torch.Generator().manual_seed(0 if rank in (1, 2) else rank + 10)
+    base = torch.randn(9, 7, generator=gen)
+    tensors = [torch.randn(1, generator=gen), torch.randn(3001, generator=gen), base.t(),
+               torch.empty(0), torch.arange(50) * (1 if rank in (1, 2) else rank + 5),
+               torch.rand(33, generator=gen) > 0.5, torch.randn(7, generator=gen).double()]
+    with syncing_from(1, holders=(1, 2)):
+        broadcast_tensors(tensors, bucket_bytes=256, direct_bytes=1024)
+    out["shards"] = [t.clone() for t in tensors]
+    torch.save(out, outdir / f"rank{rank}.pt")
+
+
+def test_striped_join_leaves_every_rank_bit_identical(tmp_path: Path) -> None:
+    _run_world(_striped_worker, 4, tmp_path)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    ref = results[0]
+    assert ref["source"] == 0 and ref["synced"]["epoch"] == 0
+    assert ref["synced"]["opt"]["param_groups"][0]["lr"] == 5e-3  # rank 0's build, trained
+    for rank, res in enumerate(results):
+        for key in ("synced", "restored", "shards"):
+            _assert_same(res[key], ref[key], f"rank{rank}.{key}")
+        _assert_same(res["restored"], res["synced"], f"rank{rank} restore point")
+        assert res["same_buffers"]
+
+
+def test_syncing_from_requires_the_source_among_the_holders() -> None:
+    from peer_elastic.torch.collectives import shard_bounds, sync_holders, syncing_from
+
+    with pytest.raises(ValueError, match="not among the holders"):
+        with syncing_from(2, holders=(0, 1)):
+            pass
+    with syncing_from(1, holders=(2, 1, 1)):
+        assert sync_holders() == (1, 2)
+    assert sync_holders() == ()
+    assert shard_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert shard_bounds(1, 3) == [(0, 0), (0, 0), (0, 1)]
+
+
+def test_a_handler_with_its_own_sync_is_not_bypassed_by_an_inherited_description() -> None:
+    from peer_elastic.handlers import describe_for_sync
+
+    class OwnSync(ModuleHandler):
+        def sync(self) -> None:  # pragma: no cover - never called here
+            pass
+
+    net = _net()
+    assert describe_for_sync(OwnSync(net)) is None
+    described = describe_for_sync(ModuleHandler(net))
+    assert described is not None and len(described.tensors) == len(net.state_dict())
+    assert describe_for_sync(make_handler(ElasticSampler(range(4)))) is None

@@ -4,6 +4,12 @@ Every function here is collective: every rank of the current group calls it, in 
 order. Broadcasts come from the *sync source*: rank 0, unless the run loop picked the rank
 holding the newest state (:func:`syncing_from`, decided by :func:`agree_and_sync`).
 Tensors travel as tensors and plain values as tagged JSON, never pickle.
+
+When several ranks hold the newest state (survivors of a join: the same version, hence
+bit-identical) and others need it, :func:`broadcast_tensors` *stripes*: every bucket is cut
+into one shard per holder, and each holder sends its shard to every rank that needs state
+(point-to-point). Each byte then travels once per receiver, the sending is spread over all
+holders, and no holder receives bytes it already has (a broadcast sends them to every rank).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
+from peer_elastic.agreement import Agreement, Claim, StateVersion, agree, holders
 from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.torch.snapshots import copy_all
 
@@ -32,9 +38,12 @@ __all__ = [
     "broadcast_inplace",
     "broadcast_plain",
     "broadcast_tensors",
+    "broadcast_validated",
     "check_same_everywhere",
     "plan_buckets",
     "staging_device",
+    "shard_bounds",
+    "sync_holders",
     "sync_source",
     "syncing_from",
     "world_from_dist",
@@ -73,29 +82,52 @@ def staging_device() -> torch.device | None:
     return None
 
 
-_sync_source = 0
+@dataclass(frozen=True)
+class _SyncFrom:
+    """Where a state sync comes from (set by :func:`syncing_from`)."""
+
+    source: int = 0  # sends plain values, and every tensor unless striped
+    holders: tuple[int, ...] = ()  # ranks holding the source's state bit for bit (it included)
+
+
+_sync_from = _SyncFrom()
 
 
 def sync_source() -> int:
     """The rank every state broadcast comes from: 0, unless :func:`syncing_from` says else."""
-    return _sync_source
+    return _sync_from.source
+
+
+def sync_holders() -> tuple[int, ...]:
+    """The ranks that already hold the sync source's state (sorted, the source included),
+    or () when only the source is known to (see :func:`syncing_from`)."""
+    return _sync_from.holders
 
 
 @contextlib.contextmanager
-def syncing_from(src: int) -> Iterator[None]:
+def syncing_from(src: int, holders: Sequence[int] = ()) -> Iterator[None]:
     """Make ``sync()`` broadcast from rank ``src``: the rank :func:`agree_and_sync` found
-    holding the newest state version, which need not be rank 0."""
-    global _sync_source
-    previous, _sync_source = _sync_source, int(src)
+    holding the newest state version, which need not be rank 0.
+
+    ``holders``: every rank known to hold exactly ``src``'s state (``src`` among them; the
+    same state version is the same state). With two or more, and some rank outside them,
+    :func:`broadcast_tensors` stripes the bytes over the holders instead of broadcasting.
+    Every rank must pass the same values.
+    """
+    global _sync_from
+    holders = tuple(sorted({int(h) for h in holders}))
+    if holders and int(src) not in holders:
+        raise ValueError(f"sync source {src} is not among the holders {holders}")
+    previous, _sync_from = _sync_from, _SyncFrom(int(src), holders)
     try:
         yield
     finally:
-        _sync_source = previous
+        _sync_from = previous
 
 
 def broadcast_inplace(tensor: torch.Tensor) -> None:
     """Overwrite a CPU ``tensor`` with the sync source's, in place (staged for nccl)."""
-    _inplace(tensor, lambda wire: dist.broadcast(wire, src=_sync_source))
+    _inplace(tensor, lambda wire: dist.broadcast(wire, src=sync_source()))
 
 
 def all_reduce_max_inplace(tensor: torch.Tensor) -> None:
@@ -143,32 +175,59 @@ def broadcast_plain(value: Any, what: str = "value") -> Any:
     return decode_values(broadcast_bytes(payload))["v"]
 
 
-def check_same_everywhere(description: str, what: str) -> None:
-    """Raise ValueError on EVERY rank unless all ranks have the same ``description``.
+_DIGEST_WORDS = 4
+_WORD_BYTES = 7  # 56-bit words: their negation fits in an int64, so MAX also gives the minimum
 
-    A mismatched structure would otherwise make the bucketed broadcasts disagree on sizes
-    and hang or corrupt memory; comparing a digest costs two tiny collectives.
-    """
+
+def _layout_words(description: str) -> list[int]:
     digest = hashlib.sha256(description.encode("utf-8")).digest()
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    root = mine.clone()
-    broadcast_inplace(root)
-    differs_here = not torch.equal(root, mine)
-    flag = torch.tensor([int(differs_here)], dtype=torch.uint8)
-    all_reduce_max_inplace(flag)
-    if flag.item():
-        where = "this rank differs from rank 0" if differs_here else "another rank differs"
+    return [int.from_bytes(digest[i * _WORD_BYTES:(i + 1) * _WORD_BYTES], "big")
+            for i in range(_DIGEST_WORDS)]
+
+
+def broadcast_validated(payload: bytes, description: str, what: str) -> bytes:
+    """The sync source's ``payload`` on every rank, once all ranks' ``description`` agree.
+
+    Raises ValueError on EVERY rank unless all ranks have the same ``description``: a
+    mismatched structure would otherwise make the bucketed broadcasts disagree on sizes and
+    hang or corrupt memory. Two collectives: one MAX all-reduce of [a 224-bit digest of the
+    description, its negation (so the maximum also gives the minimum: they differ exactly
+    when some rank differs), the source's payload length], then the payload's broadcast.
+    """
+    words = _layout_words(description)
+    is_src = dist.get_rank() == sync_source()
+    header = torch.tensor([*words, *(-w for w in words), len(payload) if is_src else 0],
+                          dtype=torch.int64)
+    all_reduce_max_inplace(header)
+    values = header.tolist()
+    highest, lowest = values[:_DIGEST_WORDS], [-v for v in values[_DIGEST_WORDS:-1]]
+    if highest != lowest:
         raise ValueError(
-            f"{what} differs between ranks ({where}); every peer must build the same models, "
+            f"{what} differs between ranks; every peer must build the same models, "
             f"optimizers and state attributes. This rank's layout begins: {description[:300]!r}"
         )
+    n = values[-1]
+    if n == 0:
+        return b""
+    if is_src:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    broadcast_inplace(buf)
+    return buf.numpy().tobytes()
+
+
+def check_same_everywhere(description: str, what: str) -> None:
+    """Raise ValueError on EVERY rank unless all ranks have the same ``description`` (one
+    tiny all-reduce; see :func:`broadcast_validated`)."""
+    broadcast_validated(b"", description, what)
 
 
 @dataclass
 class _Transfer:
     bucket: list[torch.Tensor]
     wire: torch.Tensor
-    work: Any
+    works: list[Any]
     direct: bool
 
 
@@ -204,29 +263,82 @@ def plan_buckets(
     return buckets
 
 
-def _start_bucket(
-    bucket: list[torch.Tensor], is_src: bool, src: int, stage: torch.device | None
-) -> _Transfer:
-    """Flatten (on the source) and launch an async broadcast of one bucket."""
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous element ranges covering ``[0, numel)``, sizes within one."""
+    cuts = [numel * i // shards for i in range(shards + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How this rank takes part in moving the buckets."""
+
+    rank: int
+    source: int  # the broadcast root when not striped
+    stripes: tuple[int, ...]  # holders that each send one shard; () means broadcast
+    receivers: tuple[int, ...]  # ranks that receive the shards (not holders)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether this rank's tensors already hold what is sent (so it packs its wires)."""
+        return self.rank == self.source or self.rank in self.stripes
+
+
+def _route(src: int | None) -> _Route:
+    """Broadcast from ``src`` when given; else from the sync source, striped over the
+    holders when :func:`syncing_from` named two or more and some rank is not one of them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if src is not None:
+        return _Route(rank, src, (), ())
+    holders = sync_holders()
+    if len(holders) < 2 or len(holders) >= world:
+        return _Route(rank, sync_source(), (), ())
+    receivers = tuple(r for r in range(world) if r not in holders)
+    return _Route(rank, sync_source(), holders, receivers)
+
+
+def _wire(bucket: list[torch.Tensor], route: _Route,
+          stage: torch.device | None) -> tuple[torch.Tensor, bool]:
+    """The flat tensor that travels for ``bucket`` and whether it is the tensor itself."""
     first = bucket[0]
     needs_stage = stage is not None and first.device.type == "cpu"
     if len(bucket) == 1 and first.is_contiguous() and not needs_stage:
-        wire, direct = first, True  # broadcast in place, no copies
+        return first.view(-1), True  # sent and received in place, no copies
+    device = stage if needs_stage else first.device
+    if route.has_data:
+        return torch.cat([t.reshape(-1) for t in bucket]).to(device), False
+    numel = sum(t.numel() for t in bucket)
+    return torch.empty(numel, dtype=first.dtype, device=device), False
+
+
+def _start_bucket(bucket: list[torch.Tensor], route: _Route, stage: torch.device | None,
+                  tag: int) -> _Transfer:
+    """Flatten (where the data is) and launch the bucket's transfer, asynchronously: one
+    broadcast, or each holder's shard to every receiver (tagged with the bucket's number,
+    so gloo never pairs one bucket's shard with another's)."""
+    wire, direct = _wire(bucket, route, stage)
+    if not route.stripes:
+        return _Transfer(bucket, wire, [dist.broadcast(wire, src=route.source, async_op=True)],
+                         direct)
+    shards = shard_bounds(wire.numel(), len(route.stripes))
+    ops: list[dist.P2POp] = []
+    if route.rank in route.stripes:
+        start, end = shards[route.stripes.index(route.rank)]
+        if end > start:
+            ops = [dist.P2POp(dist.isend, wire[start:end], peer, tag=tag)
+                   for peer in route.receivers]
     else:
-        device = stage if needs_stage else first.device
-        if is_src:
-            wire = torch.cat([t.reshape(-1) for t in bucket]).to(device)
-        else:
-            wire = torch.empty(sum(t.numel() for t in bucket), dtype=first.dtype, device=device)
-        direct = False
-    work = dist.broadcast(wire, src=src, async_op=True)
-    return _Transfer(bucket, wire, work, direct)
+        ops = [dist.P2POp(dist.irecv, wire[start:end], peer, tag=tag)
+               for peer, (start, end) in zip(route.stripes, shards, strict=True) if end > start]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return _Transfer(bucket, wire, works, direct)
 
 
-def _finish_bucket(transfer: _Transfer, is_src: bool) -> None:
-    """Wait for one bucket and (on receivers) scatter it back into its tensors."""
-    transfer.work.wait()
-    if is_src or transfer.direct:
+def _finish_bucket(transfer: _Transfer, route: _Route) -> None:
+    """Wait for one bucket and (on ranks that received) scatter it back into its tensors."""
+    for work in transfer.works:
+        work.wait()
+    if route.has_data or transfer.direct:
         return
     bucket = transfer.bucket
     flat = transfer.wire.to(bucket[0].device)
@@ -242,35 +354,40 @@ def broadcast_tensors(
 ) -> None:
     """Overwrite ``tensors`` on every rank with ``src``'s (default: the sync source), in place.
 
-    Small tensors travel packed in flat buckets (one ``dist.broadcast`` per bucket), large
-    ones in place; two collectives are in flight at once, so packing the next bucket overlaps
-    the current broadcast. Every rank must pass tensors with the same dtypes, device kinds and
+    Small tensors travel packed in flat buckets, large ones in place; two buckets are in
+    flight at once, so packing the next bucket overlaps the current transfer. A bucket is
+    one ``dist.broadcast``, or, when ``src`` is not given and :func:`syncing_from` named
+    several holders of the state, one shard per holder sent point-to-point to each rank that
+    is not a holder. Every rank must pass tensors with the same dtypes, device kinds and
     sizes, in the same order. A no-op without a process group or with world size 1.
     """
     if world_size() <= 1:
         return
-    src = sync_source() if src is None else src
-    is_src = dist.get_rank() == src
+    route = _route(src)
     stage = staging_device()
     in_flight: deque[_Transfer] = deque()
-    for bucket in plan_buckets(tensors, bucket_bytes, direct_bytes):
-        in_flight.append(_start_bucket(bucket, is_src, src, stage))
+    for tag, bucket in enumerate(plan_buckets(tensors, bucket_bytes, direct_bytes)):
+        in_flight.append(_start_bucket(bucket, route, stage, tag))
         if len(in_flight) >= _MAX_IN_FLIGHT:
-            _finish_bucket(in_flight.popleft(), is_src)
+            _finish_bucket(in_flight.popleft(), route)
     while in_flight:
-        _finish_bucket(in_flight.popleft(), is_src)
+        _finish_bucket(in_flight.popleft(), route)
 
 
 def agree_and_sync(state: Any, claim: Claim, device: torch.device,
-                   resume: Callable[[], Agreement | None] | None = None) -> Agreement:
+                   resume: Callable[[], Agreement | None] | None = None,
+                   committed: StateVersion | None = None) -> Agreement:
     """Agree on the newest state version, then sync from a rank holding it if needed.
 
     Collective over the default group. One all-gather of every rank's :class:`Claim` (four
     integers each); every rank applies :func:`peer_elastic.agreement.agree` to the same list,
     so all sync from the same source, or all skip the sync when every rank already holds the
-    same version and nobody asked for state. The state everybody ends with is saved as the
-    new restore point: a failure before the next commit must not roll a rank back to what it
-    held before.
+    same version and nobody asked for state. Every rank that holds the newest version and
+    did not ask for state helps send it (:func:`syncing_from`'s holders: striped when some
+    ranks hold it and others not, as in a join). The state everybody ends with is saved as
+    the new restore point: a failure before the next commit must not roll a rank back to
+    what it held before. ``committed``, the version of this rank's restore point, lets a
+    holder whose restore point already is that version skip the copy.
 
     ``resume`` (durable snapshots) is called on every rank when no rank holds committed
     state (every claim at the initial version): it is collective, and returns the agreement
@@ -290,9 +407,12 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
         log.info("state versions differ (%s): adopting %s from rank %d",
                  ", ".join(str(c.version.as_ints()) for c in claims),
                  agreement.version.as_ints(), agreement.source)
-    with syncing_from(agreement.source):
+    # A resumed state lives on the loading rank only; otherwise every holder can serve.
+    holding = () if resumed is not None else holders(claims, agreement.version)
+    with syncing_from(agreement.source, holding if agreement.source in holding else ()):
         state.sync()
     if hasattr(state, "commit_count"):
         state.commit_count = agreement.version.commits
-    state.save()
+    if not (dist.get_rank() in holding and committed == agreement.version):
+        state.save()
     return agreement
