@@ -99,11 +99,22 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PE_WORKER = HERE / "recovery_worker.py"
 TR_WORKER = HERE / "torchrun_worker.py"
+TFT_WORKER = HERE / "torchft_worker.py"
 
 SCENARIOS = ("kill-worker", "kill-leader", "sigterm", "join", "hang")
 SYSTEMS = ("peer-elastic", "peer-elastic-tuned", "torchrun-tuned", "torchrun-default",
            "torchrun-pe")
-ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-no-abandon", "torchrun-pe-tuned")
+ALL_SYSTEMS = (*SYSTEMS, "peer-elastic-no-abandon", "torchrun-pe-tuned", "torchft",
+               "torchft-tuned")
+#: torchft 0.2.0 (installed separately: see TORCHFT_INSTALL).
+TORCHFT = ("torchft", "torchft-tuned")
+TORCHFT_INSTALL = ("pip install --no-deps torchft==0.2.0 && pip install opentelemetry-api "
+                   "opentelemetry-sdk opentelemetry-exporter-otlp-proto-http")
+#: torchft-tuned: the Lighthouse declares a replica dead after 1 s without a heartbeat
+#: (default 5 s) and waits at most 1 s for stragglers before issuing a quorum (default 60 s);
+#: the managers' collective/RPC timeout is 5 s and their quorum timeout 10 s (default 60 s).
+TFT_LIGHTHOUSE_TUNED = ("--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "1000")
+TFT_ENV_TUNED = {"BENCH_TFT_TIMEOUT_S": "5", "BENCH_TFT_QUORUM_TIMEOUT_S": "10"}
 #: torchrun with peer-elastic's rendezvous (--rdzv-backend=peer-elastic) instead of c10d.
 TORCHRUN_PE = ("torchrun-pe", "torchrun-pe-tuned")
 QUICK_SCENARIOS = ("kill-worker", "sigterm", "join")
@@ -127,7 +138,8 @@ START_TIMEOUT_S = 150.0  # torchrun's default last call alone is 30 s
 RECOVERY_TIMEOUT_S = {"peer-elastic": 60.0, "peer-elastic-tuned": 60.0,
                       "peer-elastic-no-abandon": 90.0,
                       "torchrun-tuned": 120.0, "torchrun-default": 180.0,
-                      "torchrun-pe": 120.0, "torchrun-pe-tuned": 120.0}
+                      "torchrun-pe": 120.0, "torchrun-pe-tuned": 120.0,
+                      "torchft": 120.0, "torchft-tuned": 90.0}
 ENDED_TIMEOUT_S = 120.0
 
 AGENT_BOOT = ("import sys, time; import torch.distributed.run as r; "
@@ -481,6 +493,74 @@ class TorchrunJob(Job):
         raise AssertionError("no agent that is neither the store host nor rank 0")
 
 
+class TorchftJob(Job):
+    """torchft replicas (``torchft_worker.py``, one process = one replica group of one rank)
+    meeting through a Lighthouse that this job starts on loopback (``--min_replicas 2``, so
+    the job goes on with 2 after a departure). The Lighthouse runs on member 0's "host":
+    ``kill-leader`` crashes both, as a machine crash would; the other scenarios leave it be.
+    """
+
+    def __init__(self, tag: str, log_dir: Path | None, system: str) -> None:
+        from peer_elastic.etcd_server import free_port
+
+        self.system = system
+        port = free_port()
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+        for k in [k for k in env if k.startswith(("PEER_ELASTIC_", "TORCHFT_"))
+                  and k != "TORCHFT_LIGHTHOUSE"]:
+            env.pop(k)
+        if system == "torchft-tuned":
+            env.update(TFT_ENV_TUNED)
+        super().__init__(tag, log_dir, env)
+        binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) \
+            or shutil.which("torchft_lighthouse")
+        if binary is None:
+            raise RuntimeError(f"torchft_lighthouse not found: {TORCHFT_INSTALL}")
+        tuned = TFT_LIGHTHOUSE_TUNED if system == "torchft-tuned" else ()
+        self.lighthouse = Member(-1, [binary, "--bind", f"127.0.0.1:{port}",
+                                     "--min_replicas", "2", *tuned], self.env, log_dir,
+                                 f"{system}-{tag}-lighthouse")
+
+    def command(self, index: int) -> list[str]:
+        return [sys.executable, str(TFT_WORKER)]
+
+    def member_env(self, index: int) -> dict[str, str]:
+        return dict(self.env, BENCH_REPLICA=str(index))
+
+    def leader(self) -> Member:
+        return self.members[0]  # beside the Lighthouse
+
+    def non_leader(self) -> Member:
+        for m in self.members[1:]:
+            if m.alive() and m.current_group() is not None:
+                return m
+        raise AssertionError("no replica besides the Lighthouse's")
+
+    def crash(self, m: Member) -> list[int]:
+        hit = kill_tree(m.pid)
+        if m is self.members[0]:
+            hit += kill_tree(self.lighthouse.pid)  # the same machine
+        return hit
+
+    def close(self) -> dict[str, Any]:
+        if self.lighthouse.alive():
+            kill_tree(self.lighthouse.pid)
+        try:
+            self.lighthouse.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        return super().close()
+
+
+def torchft_available() -> str | None:
+    """None if torchft can be imported, else why not (with the install command)."""
+    try:
+        import torchft  # noqa: F401
+    except Exception as exc:  # ImportError, or its opentelemetry imports
+        return f"torchft is not importable ({exc}); install it with: {TORCHFT_INSTALL}"
+    return None
+
+
 # --- one scenario ---------------------------------------------------------------------------------
 
 
@@ -580,6 +660,12 @@ def run_scenario(system: str, scenario: str, args: argparse.Namespace, endpoint:
     if system.startswith("peer-elastic"):
         assert endpoint is not None
         job: Job = PeerElasticJob(tag, log_dir, endpoint, system)
+    elif system in TORCHFT:
+        why = torchft_available()
+        if why is not None:
+            out.error = f"skipped: {why}"
+            return out
+        job = TorchftJob(tag, log_dir, system)
     else:
         nnodes = f"{n}:{n + 1}" if scenario == "join" else f"{n - 1}:{n}"
         job = TorchrunJob(tag, log_dir, system, nnodes, work, args.ckpt_every,
@@ -697,8 +783,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str],
           systems: list[str]) -> str:
     cols = ["scenario", *systems]
     pe = "peer-elastic" if "peer-elastic" in systems else None
-    ratio_cols = [s for s in systems if s.startswith("torchrun") and s not in TORCHRUN_PE
-                  ] if pe else []
+    ratio_cols = [s for s in systems if (s.startswith("torchrun") and s not in TORCHRUN_PE)
+                  or s in TORCHFT] if pe else []
     cols += [f"{s.removeprefix('torchrun-')} / pe" for s in ratio_cols]
     rows = []
     for sc in scenarios:
