@@ -44,19 +44,22 @@ class PendingCheck:
 
     def __init__(self) -> None:
         self._issued: _Issued | None = None
+        # The buffer of the last op that completed, reused by the next (no allocation per
+        # check). Never a dropped op's: the backend's threads may still write into that one.
+        self._spare: torch.Tensor | None = None
 
     @property
     def pending(self) -> bool:
         return self._issued is not None
 
     def issue(self, group: object, want: int, device: torch.device) -> None:
-        """Start the exchange of ``want`` in ``group`` (the current default process group).
-
-        A fresh buffer per op: a dropped op may still be written by the backend's threads.
-        """
+        """Start the exchange of ``want`` in ``group`` (the current default process group)."""
         if self._issued is not None:
             raise RuntimeError("an exchange is already pending; complete or drop it first")
-        buf = torch.tensor([want], dtype=torch.int64, device=device)
+        buf, self._spare = self._spare, None
+        if buf is None or buf.device != device:
+            buf = torch.empty(1, dtype=torch.int64, device=device)
+        buf.fill_(want)
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
         assert work is not None  # async_op=True always returns a Work
         self._issued = _Issued(group, buf, work)
@@ -72,8 +75,11 @@ class PendingCheck:
         if issued is None or issued.group is not group:
             return None
         issued.work.wait()
-        return PendingResult(newest_generation=int(issued.buf.item()))
+        result = PendingResult(newest_generation=int(issued.buf.item()))
+        self._spare = issued.buf
+        return result
 
     def drop(self) -> None:
         """Forget the op without waiting (its group failed or is being destroyed)."""
         self._issued = None
+        self._spare = None
