@@ -16,7 +16,18 @@ no longer hot, which is what a training loop sees);
   besides its one collective (reading the watched view, filling the buffer, ``.item()``);
 * ``save`` / ``commit``: ``TorchState.save()`` and ``TorchState.commit()`` (= save + check)
   for a small model (the recovery benchmark's MLP, ~0.4 M parameters, SGD with momentum),
-  for context.
+  for context;
+* ``step_plain`` / ``step_check`` / ``step_commit``: the steady-state overhead. One
+  training step of that MLP (forward, backward, one all-reduce of the flattened gradients,
+  a plain SGD step: what a hand-written torch.distributed loop does), alone, followed by
+  ``peer.check_host_updates()``, or followed by ``state.commit()``. The three alternate in
+  blocks in the same processes and the same group, so the difference is what the check (or
+  the commit) adds to a step; peer-elastic's background threads (etcd watch and keepalive,
+  hang watchdog, liveness monitor) run in all three, and their cost is not in the ratio.
+
+``check_host_updates()`` completes the generation exchange the previous check issued and
+issues the next (``peer_elastic.torch.pending_check``), so back to back it costs about what
+an all-reduce costs, and in a training loop (the op completes during the step) far less.
 
 The two call kinds alternate in blocks (check, all_reduce, check, ...) so that drift of a
 busy machine hits both alike; a barrier precedes every block. Reported per world: median
@@ -25,7 +36,7 @@ and p90 of every rank's calls pooled, and the worst rank's median.
 Usage::
 
     python benchmarks/bench_check.py --out check.json            # world 2 and 4, 2000 calls
-    python benchmarks/bench_check.py --worlds 2 --calls 500      # quicker
+    python benchmarks/bench_check.py --worlds 2 --calls 500 --steps 100   # quicker
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TARGET_US = 200.0
+OVERHEAD_TARGET_PCT = 1.0
 BLOCKS = 8
 WORKER_TIMEOUT_S = 300
 
@@ -60,10 +72,17 @@ def stats_us(ns: list[int]) -> dict[str, float]:
             "p99_us": pct(us, 0.99), "min_us": min(us), "n": len(us)}
 
 
+class _DoneWork:
+    """What the stubbed all_reduce returns: an op that is already complete."""
+
+    def wait(self) -> bool:
+        return True
+
+
 # --- worker (one peer) -------------------------------------------------------------------------------
 
 
-def worker(calls: int, commits: int) -> int:
+def worker(calls: int, commits: int, steps: int) -> int:
     import torch
 
     torch.set_num_threads(1)
@@ -106,7 +125,7 @@ def worker(calls: int, commits: int) -> int:
             local: list[int] = []
             dist.barrier()
             real_all_reduce = dist.all_reduce
-            dist.all_reduce = lambda *a, **k: None  # type: ignore[assignment]
+            dist.all_reduce = lambda *a, **k: _DoneWork()  # type: ignore[assignment]
             try:
                 for _ in range(calls):
                     t = clock()
@@ -150,8 +169,10 @@ def worker(calls: int, commits: int) -> int:
                 t = clock()
                 state.commit()
                 commit.append(clock() - t)
+            plain, with_check, with_commit = steady_state(peer, state, steps)
             params = sum(p.numel() for p in state.model.parameters())
-            return {"rank": rank, "world": dist.get_world_size(), "check_ns": check,
+            return {"step_plain_ns": plain, "step_check_ns": with_check,
+                    "step_commit_ns": with_commit,"rank": rank, "world": dist.get_world_size(), "check_ns": check,
                     "all_reduce_ns": reduce, "check_local_ns": local,
                     "check_after_work_ns": check_w,
                     "all_reduce_after_work_ns": reduce_w, "save_ns": save, "commit_ns": commit,
@@ -162,16 +183,75 @@ def worker(calls: int, commits: int) -> int:
     return 0
 
 
+def steady_state(peer: Any, state: Any, steps: int) -> tuple[list[int], list[int], list[int]]:
+    """Per-step times of the same training step: plain, + a check, + a commit (blocks
+    interleaved, a barrier before each)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(HERE))
+    from recovery_worker import forward_backward
+
+    model = state.model
+    params = list(model.parameters())
+    sgd = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = time.perf_counter_ns
+    step_no = 0
+
+    def step() -> None:
+        nonlocal step_no
+        sgd.zero_grad(set_to_none=True)
+        forward_backward(model, step_no, rank)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        sgd.step()
+        step_no += 1
+
+    def plain() -> None:
+        step()
+
+    def with_check() -> None:
+        step()
+        peer.check_host_updates()
+
+    def with_commit() -> None:
+        step()
+        state.commit()
+
+    variants = {"plain": plain, "check": with_check, "commit": with_commit}
+    times: dict[str, list[int]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm up
+        for _ in range(5):
+            fn()
+    per_block = max(1, steps // BLOCKS)
+    for _ in range(BLOCKS):
+        for name, fn in variants.items():
+            dist.barrier()
+            for _ in range(per_block):
+                t = clock()
+                fn()
+                times[name].append(clock() - t)
+    return times["plain"], times["check"], times["commit"]
+
+
 # --- driver -------------------------------------------------------------------------------------------
 
 
-def run_world(endpoint: str, world: int, calls: int, commits: int) -> dict[str, Any]:
+def run_world(endpoint: str, world: int, calls: int, commits: int,
+              steps: int) -> dict[str, Any]:
     job = f"check-{world}-{secrets.token_hex(3)}"
     env = dict(os.environ, PEER_ELASTIC_ETCD=endpoint, PEER_ELASTIC_JOB=job,
                PEER_ELASTIC_MIN_NP=str(world), PEER_ELASTIC_MAX_NP=str(world),
                PEER_ELASTIC_BACKEND="gloo", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(calls),
-           "--commits", str(commits)]
+           "--commits", str(commits), "--steps", str(steps)]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(world)]
     outputs = []
@@ -193,7 +273,8 @@ def run_world(endpoint: str, world: int, calls: int, commits: int) -> dict[str, 
     ranks.sort(key=lambda r: r["rank"])
     res: dict[str, Any] = {"world": world, "params": ranks[0]["params"]}
     for kind in ("check", "all_reduce", "check_local", "check_after_work",
-                 "all_reduce_after_work", "save", "commit"):
+                 "all_reduce_after_work", "save", "commit", "step_plain", "step_check",
+                 "step_commit"):
         pooled = [v for r in ranks for v in r[f"{kind}_ns"]]
         res[kind] = stats_us(pooled)
         res[kind]["worst_rank_median_us"] = max(
@@ -203,6 +284,14 @@ def run_world(endpoint: str, world: int, calls: int, commits: int) -> dict[str, 
     res["check_minus_all_reduce_after_work_median_us"] = (
         res["check_after_work"]["median_us"] - res["all_reduce_after_work"]["median_us"])
     res["meets_target"] = res["check"]["median_us"] < TARGET_US
+    # Overhead per step: mean over all ranks' steps (a total time, what a job pays) and median.
+    for kind in ("check", "commit"):
+        plain = [v for r in ranks for v in r["step_plain_ns"]]
+        other = [v for r in ranks for v in r[f"step_{kind}_ns"]]
+        res[f"{kind}_overhead_mean_pct"] = 100 * (statistics.mean(other) / statistics.mean(plain) - 1)
+        res[f"{kind}_overhead_median_pct"] = 100 * (statistics.median(other)
+                                                    / statistics.median(plain) - 1)
+    res["meets_overhead_target"] = res["check_overhead_mean_pct"] < OVERHEAD_TARGET_PCT
     return res
 
 
@@ -211,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes (2,4)")
     ap.add_argument("--calls", type=int, default=2000, help="calls of each kind per rank")
     ap.add_argument("--commits", type=int, default=200, help="save/commit calls per rank")
+    ap.add_argument("--steps", type=int, default=400,
+                    help="training steps per rank of each steady-state variant")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.calls, args.commits)
+        return worker(args.calls, args.commits, args.steps)
 
     import torch
 
@@ -226,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with EtcdServer() as server:
         for world in worlds:
-            r = run_world(server.endpoint, world, args.calls, args.commits)
+            r = run_world(server.endpoint, world, args.calls, args.commits, args.steps)
             results.append(r)
             print(f"world {world}: check median {r['check']['median_us']:.1f} us "
                   f"p90 {r['check']['p90_us']:.1f} us | all_reduce median "
@@ -264,6 +355,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  world {r['world']}: save median {r['save']['median_us']:.0f} "
               f"p90 {r['save']['p90_us']:.0f} | commit (save + check) median "
               f"{r['commit']['median_us']:.0f} p90 {r['commit']['p90_us']:.0f}")
+    print()
+    print("steady state: one training step of the MLP (forward, backward, gradient "
+          "all-reduce, SGD), microseconds and overhead against the plain step:")
+    for r in results:
+        print(f"  world {r['world']}: plain median {r['step_plain']['median_us']:.0f} | "
+              f"+ check median {r['step_check']['median_us']:.0f} "
+              f"({r['check_overhead_mean_pct']:+.2f} % mean, "
+              f"{r['check_overhead_median_pct']:+.2f} % median; target < "
+              f"{OVERHEAD_TARGET_PCT:.0f} %: "
+              f"{'met' if r['meets_overhead_target'] else 'MISSED'}) | "
+              f"+ commit median {r['step_commit']['median_us']:.0f} "
+              f"({r['commit_overhead_mean_pct']:+.2f} % mean)")
     if args.out:
         doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "torch": torch.__version__, "peer_elastic": peer_elastic.__version__},

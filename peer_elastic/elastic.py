@@ -19,7 +19,8 @@ One pass of :meth:`Peer.run`::
                                   returns the result once etcd holds it
 
 ``check_host_updates()`` (also inside ``commit()``) does no etcd I/O: it reads the watched
-generation from memory and runs one tiny all-reduce, so every roster member raises
+generation from memory and exchanges it in a tiny all-reduce issued at one check and
+completed at the next (a commit's is blocking), so every roster member raises
 ``HostsUpdatedInterrupt`` at the same call; progress recorded on one rank only is merged
 before a commit is saved and before the interrupt (see :meth:`Peer._check`).
 """
@@ -52,6 +53,7 @@ from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
+from peer_elastic.torch.pending_check import PendingCheck
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class Peer:
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None
+        # The generation exchange a plain check issued, completed at the next check.
+        self._pending = PendingCheck()
         self._state: Any = None  # the state given to run()
         self._synced_once = False
         self._restored = False  # since the last reset (for metrics)
@@ -150,13 +154,20 @@ class Peer:
     def _check(self, state: Any, committing: bool) -> None:
         """The per-step protocol behind ``state.commit()`` and ``state.check_host_updates()``.
 
-        No etcd I/O: the newest generation comes from the watched view in memory. One
-        all-reduce (MAX) of [the newest generation I know of, do I hold unmerged progress]
-        makes every rank decide the same at the same call. Then, in this order: merge the
-        progress some rank recorded only locally (one more all-reduce, only when some rank
-        has such progress), save the commit, raise if a new generation is pending. A rank
-        whose collective fails never gets to save or keep the step: it restores its last
-        commit, whose progress was merged (see ``peer_elastic.agreement``).
+        No etcd I/O: the newest generation comes from the watched view in memory.
+
+        A plain check completes the generation exchange the previous check issued
+        (:mod:`peer_elastic.torch.pending_check`) and issues the next one, so it waits on
+        nobody unless a rank is behind: every rank completes the same op at the same call
+        and so decides the same there, one check after a rank first saw the change.
+
+        A commit, and a plain check whose completed exchange says a reset is due, need to
+        know whether some rank holds unmerged progress *now*: they run one blocking
+        all-reduce (MAX) of [the newest generation I know of, do I hold unmerged progress].
+        Then, in this order: merge the progress some rank recorded only locally (only when
+        some rank has such progress), save the commit, raise if a new generation is pending.
+        A rank whose collective fails never gets to save or keep the step: it restores its
+        last commit, whose progress was merged (see ``peer_elastic.agreement``).
         """
         group = self._group
         if group is None:
@@ -174,16 +185,25 @@ class Peer:
         want = newest.number if newest is not None else current
         if stop_reason(coord, group, snap, causes=RESET_NOW) is not None:
             # Lease lost (we must not go on in this group), a fatal error, or the job ended
-            # (e.g. reset limit): everyone stops at this call and the reset path reports it.
+            # (e.g. reset limit): everyone stops at the next check and the reset path reports it.
             want = max(want, current + 1)
+        # Complete the op of the previous check first (also before a commit), so every rank
+        # runs the same collectives in the same order.
+        with self._liveness.collective():  # waiting here is waiting on the others
+            previous = self._pending.complete(group)
+        reset_due = previous is not None and previous.newest_generation > current
+        if not committing and not reset_due:
+            self._pending.issue(group, want, self.device)
+            return
         local = state is not None and state.has_local_progress()
         buf = self._check_buf
         if buf is None:
             buf = self._check_buf = torch.zeros(2, dtype=torch.int64, device=self.device)
         buf[0], buf[1] = want, int(local)
-        with self._liveness.collective():  # waiting here is waiting on the others
+        with self._liveness.collective():
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
             reset, merge = int(buf[0].item()) > current, bool(buf[1].item())
+        reset = reset or reset_due
         if merge and state is not None:
             with self._liveness.collective():
                 state.merge_progress()
@@ -243,6 +263,7 @@ class Peer:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
         log.warning("collective failed in generation %d: %s; restoring the last commit",
                     self.generation, exc)
+        self._pending.drop()  # its group is broken: never wait on its op
         self._restore(state)
         try:
             self.coordinator.mark_broken(self.generation, str(exc)[:300])
@@ -253,6 +274,7 @@ class Peer:
         t0 = time.monotonic()
         first = self._group is None and after == 0
         restored, incarnation = self._restored, self._incarnation  # how we got here, for metrics
+        self._pending.drop()  # the old group's op dies with it, never waited on in the next
         while True:
             try:
                 self._group = self.groups.form(after)
@@ -351,15 +373,32 @@ class Peer:
                                    gen.number, timings)
 
     def _finish(self) -> None:
+        self._complete_pending_quietly()
         # Every rank records the end (create-if-absent: the first record stays), and none
         # returns before etcd holds it: were it left to rank 0 alone, its death or one failed
         # write would make the next peer to start train the finished job again. finish()
         # retries while etcd is unreachable and raises a clear error if that lasts.
         self.coordinator.finish(True, "training function returned")
 
+    def _complete_pending_quietly(self) -> None:
+        """The training function returned on every rank: complete the last check's op (every
+        rank issued it), so the group is never torn down under it. Its answer no longer
+        matters, and neither does its failure (a peer that died since): the run is done."""
+        if self._group is None or not self._pending.pending:
+            self._pending.drop()
+            return
+        try:
+            with self._liveness.collective():
+                self._pending.complete(self._group)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            log.info("the last check's exchange failed after the run ended: %s", exc)
+
     def _leave(self, why: str, wait_s: float = 10.0) -> None:
         """We are out of the roster: wait (bounded) until the others formed, then go."""
         log.info("%s", why)
+        self._pending.drop()
         coord = self.coordinator
         snap = coord.snapshot()
         gen = snap.generation
@@ -392,6 +431,7 @@ class Peer:
         self._progress.stop()
         if self._watchdog is not None:
             self._watchdog.stop()
+        self._pending.drop()
         self.groups.destroy()
 
 

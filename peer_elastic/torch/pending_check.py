@@ -1,0 +1,85 @@
+"""The per-step generation exchange, issued at one check and completed at the next.
+
+``check_host_updates()`` must make every rank of a group raise at the same call. A blocking
+all-reduce (MAX) of "the newest generation I know of" does that, but it costs a round trip
+per check, nearly all of the check. :class:`PendingCheck` issues that all-reduce
+asynchronously at check *k* and completes it at check *k + 1*: every rank makes the same
+sequence of check calls (the contract), so every rank completes the same op at the same call
+and gets the same answer there. All ranks still raise together, one check later than with a
+blocking exchange.
+
+One job: hold at most one op, of one group. The op belongs to the group it was issued in;
+completing it under another group (after a reset) drops it unread instead, so a destroyed
+group's op is never waited on in the next group. Device handling is generic: the buffer lives
+on the device the caller names (CPU for gloo, CUDA for nccl) and is read with ``.item()``
+after ``Work.wait()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PendingCheck", "PendingResult"]
+
+
+@dataclass(frozen=True)
+class PendingResult:
+    """What every rank of the group reported at the check that issued the op."""
+
+    newest_generation: int  # the MAX over ranks of the newest generation each knew of
+
+
+@dataclass
+class _Issued:
+    group: object  # the FormedGroup it was issued in (compared by identity)
+    buf: torch.Tensor
+    work: dist.Work
+
+
+class PendingCheck:
+    """At most one in-flight 1-element all-reduce (MAX) of a generation number."""
+
+    def __init__(self) -> None:
+        self._issued: _Issued | None = None
+        # The buffer of the last op that completed, reused by the next (no allocation per
+        # check). Never a dropped op's: the backend's threads may still write into that one.
+        self._spare: torch.Tensor | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._issued is not None
+
+    def issue(self, group: object, want: int, device: torch.device) -> None:
+        """Start the exchange of ``want`` in ``group`` (the current default process group)."""
+        if self._issued is not None:
+            raise RuntimeError("an exchange is already pending; complete or drop it first")
+        buf, self._spare = self._spare, None
+        if buf is None or buf.device != device:
+            buf = torch.empty(1, dtype=torch.int64, device=device)
+        buf.fill_(want)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
+        assert work is not None  # async_op=True always returns a Work
+        self._issued = _Issued(group, buf, work)
+
+    def complete(self, group: object) -> PendingResult | None:
+        """Wait for the op issued in ``group`` and return its result; None if there is none.
+
+        Blocks on the other ranks (callers wrap it in a liveness ``collective()``); raises the
+        backend's error if a peer failed meanwhile (the op is dropped either way). An op of
+        another group is dropped unread.
+        """
+        issued, self._issued = self._issued, None
+        if issued is None or issued.group is not group:
+            return None
+        issued.work.wait()
+        result = PendingResult(newest_generation=int(issued.buf.item()))
+        self._spare = issued.buf
+        return result
+
+    def drop(self) -> None:
+        """Forget the op without waiting (its group failed or is being destroyed)."""
+        self._issued = None
+        self._spare = None
