@@ -134,7 +134,11 @@ def test_standby_is_promoted_and_a_stalled_peer_rejoins(cluster: Cluster) -> Non
 
 
 def test_reset_callbacks_see_world_size_and_reset_limit_stops_the_job(cluster: Cluster) -> None:
-    env = dict(PEER_ELASTIC_MIN_NP=1, PEER_ELASTIC_RESET_LIMIT=1, WORKER_EPOCHS=50)
+    # max_np=2 with a long start settle: the first generation forms the moment both peers
+    # are there, never with one alone (on a loaded machine they register apart, and a
+    # second generation for the late one would use up the one allowed reset).
+    env = dict(PEER_ELASTIC_MIN_NP=1, PEER_ELASTIC_MAX_NP=2, PEER_ELASTIC_START_SETTLE=60,
+               PEER_ELASTIC_RESET_LIMIT=1, WORKER_EPOCHS=50)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
     wait_steps(a, 2)
