@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.false_drops import run_resets
-from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.procs import Cluster, PeerProc, results
 from tests.test_elastic import gen_lines, result_of, wait_steps
 
 pytestmark = pytest.mark.slow
@@ -102,7 +102,7 @@ def test_a_stopped_member_is_not_dropped(cluster: Cluster, tmp_path) -> None:
     end.touch()
     for p in (a, b, c):
         assert p.wait(180) == 0, p.output()
-    r = result_of(a)
+    (r,) = results([a, b, c])  # rank 0 prints it
     assert r["exact"] and r["identical"] and r["world"] == 3, r
     for p in (a, b, c):
         assert all(world == 3 for _, _, world in gen_lines(p)), gen_lines(p)
@@ -113,6 +113,6 @@ def test_crash_resets_under_cpu_load_drop_no_healthy_member(etcd: str, unique_jo
                                                             tmp_path) -> None:
     # The load test, short: two busy loops on the CPUs, a peer crashed and restarted
     # a few times at default settings; benchmarks/bench_false_drops.py runs 200 rounds.
-    report = run_resets(etcd, unique_job, resets=3, end_file=tmp_path / "end")
-    assert report.resets == 3 and report.false_drops == 0, report
+    report = run_resets(etcd, unique_job, resets=2, end_file=tmp_path / "end")
+    assert report.resets == 2 and report.false_drops == 0, report
     assert report.exact and not report.notes, report
