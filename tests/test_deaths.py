@@ -136,8 +136,10 @@ def test_the_prober_confirms_wakes_and_forgets_departed_members() -> None:
     woke = threading.Event()
     answers = {5000: None, 5003: "connection refused"}
     prober = DeathProber(on_confirmed=woke.set, probe=lambda a, p: answers.get(p),
-                         interval_s=0.01, clock=lambda: 7.0).start()
+                         interval_s=0.01, clock=lambda: 7.0)
     try:
+        prober.update(snap(ALL, ALL, ready=ALL), "a-1")
+        assert not prober.started  # nothing to probe: no thread
         s = snap(ALL, ALL, ready=["b-1", "c-1"])  # a and d missing; a is the writer
         prober.update(s, "a-1")
         assert woke.wait(10)

@@ -155,7 +155,6 @@ class Coordinator:
         except BaseException:
             self._shutdown_threads()
             raise
-        self.deaths.start()
         self._thread = threading.Thread(
             target=self._coordination_loop, name=f"coordinator:{self.member_id}", daemon=True
         )

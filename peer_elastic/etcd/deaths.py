@@ -143,6 +143,9 @@ class DeathProber:
     :meth:`update` (the coordination thread, each view change) sets the targets;
     ``on_confirmed`` is called (from the probe thread) after a new death is recorded, so the
     coordination thread looks again at once. :attr:`version` counts confirmed deaths.
+
+    The thread starts with the first target, so members that never probe (simulated
+    members, which have no probe port: a thousand in one process) cost no thread.
     """
 
     def __init__(self, on_confirmed: Callable[[], None],
@@ -161,11 +164,16 @@ class DeathProber:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self) -> DeathProber:
-        self._thread = threading.Thread(target=self._loop, name="peer-elastic-deaths",
-                                        daemon=True)
-        self._thread.start()
-        return self
+    @property
+    def started(self) -> bool:
+        """Whether the probe thread runs (it starts with the first target)."""
+        return self._thread is not None
+
+    def _start_thread(self) -> None:  # under self._lock
+        if self._thread is None and not self._stop:
+            self._thread = threading.Thread(target=self._loop, name="peer-elastic-deaths",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         with self._lock:
@@ -189,6 +197,8 @@ class DeathProber:
             targets = tuple(probe_targets(snap, me, self._dead))
             if targets != self._targets:
                 self._targets = targets
+                if targets:
+                    self._start_thread()
                 self._lock.notify_all()
 
     def probe_once(self) -> int:
