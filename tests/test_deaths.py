@@ -81,6 +81,21 @@ def test_members_without_a_probe_port_are_never_probed() -> None:
     assert probe_targets(s, "a-1", {}) == []
 
 
+def test_a_loopback_address_is_probed_only_from_a_loopback_address() -> None:
+    # A peer on another host that advertises ::1 by mistake: my own ::1 would refuse.
+    s = snap(ALL, ALL, ready=["a-1", "b-1", "c-1"])
+    remote = dict(s.members)
+    for m, addr in (("a-1", "10.0.0.1"), ("b-1", "10.0.0.2"), ("c-1", "10.0.0.3"), ("d-1", "::1")):
+        remote[m] = Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=1,
+                                        net_address=addr, probe_port=5000),
+                           s.members[m].create_revision, 1)
+    s = ViewSnapshot(**{**s.__dict__, "members": MappingProxyType(remote),
+                        "by_age": tuple(remote.values())})
+    assert probe_targets(s, "a-1", {}) == []
+    assert [t.member_id for t in probe_targets(snap(ALL, ALL, ready=["a-1"]), "a-1", {})] \
+        == ["b-1", "c-1", "d-1"]  # all on 127.0.0.1: one host
+
+
 def test_a_confirmed_death_is_silent_at_once_only_while_it_owes_an_ack() -> None:
     s = snap(ALL, ALL, ready=ALL, broken=["c-1"], alive=["b-1"])
     assert silent_members(s, 0.0, 20.0, 1.0, broken_seen_at=0.5) == {}

@@ -13,7 +13,9 @@ reset, at once). That is proof the process is gone; nothing else is:
 
 So only ``ECONNREFUSED`` confirms a death; every other case keeps the ``join_timeout_s``
 path (:func:`~peer_elastic.etcd.roster.silent_members`). Members without a probe port
-(simulated members, old writers) are never probed. (An operator's firewall rule that
+(simulated members, old writers) are never probed, nor is a loopback address unless the
+prober's own is one too (a single-host job): a refusal from *my* loopback says nothing
+about a peer on another host that advertises one by mistake. (An operator's firewall rule that
 *rejects* connections to the probe port with a reset would look like a death; drop, not
 reject, if a rule must sit between peers.)
 
@@ -42,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from peer_elastic.etcd.view import Member, ViewSnapshot
+from peer_elastic.netaddr import host_port, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,10 @@ def probe_targets(snap: ViewSnapshot, me: str, dead: Mapping[str, Death]) -> lis
             break
     if writer:
         chosen = [snap.members[m] for m in sorted(missing, key=_age(snap)) if m not in dead]
+    local = is_loopback(snap.members[me].record.net_address)
     return [ProbeTarget(m.id, m.record.net_address, m.record.probe_port) for m in chosen
-            if m.record.net_address and m.record.probe_port and m.id != me]
+            if m.record.net_address and m.record.probe_port and m.id != me
+            and (local or not is_loopback(m.record.net_address))]
 
 
 def _age(snap: ViewSnapshot) -> Callable[[str], int]:
@@ -219,7 +224,7 @@ class DeathProber:
             for t, why in zip(targets, whys, strict=True):
                 if why is None or t.member_id in self._dead:
                     continue
-                endpoint = f"[{t.address}]:{t.port}" if ":" in t.address else f"{t.address}:{t.port}"
+                endpoint = host_port(t.address, t.port)
                 self._dead[t.member_id] = Death(t.member_id, endpoint, why, now)
                 log.warning("member %s confirmed dead: %s at %s", t.member_id, why, endpoint)
                 found += 1
