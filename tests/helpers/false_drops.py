@@ -94,9 +94,15 @@ def run_resets(endpoint: str, job: str, resets: int, end_file: Path, hogs: int =
             if any(w < 2 for w in _worlds(p)[1:]):
                 report.notes.append(f"{p.name} trained in a world below 2: {_worlds(p)}")
                 report.false_drops += 1
-        results = [json.loads(line.split(" ", 1)[1]) for p in healthy for line in p.lines
-                   if line.startswith("RESULT ")]
+        results = []
+        for p in healthy:  # rank 0 prints it; the reader may still be draining the pipe
+            try:
+                results.append(json.loads(p.wait_line("RESULT ", timeout=10).split(" ", 1)[1]))
+            except AssertionError:
+                continue
         report.exact = bool(results) and all(r["exact"] and r["identical"] for r in results)
+        if not report.exact:
+            report.notes.append(f"oracle: {results or 'no RESULT line'}")
         return report
     finally:
         cluster.close()
