@@ -13,6 +13,10 @@ runs one coordination thread that reacts to every change of the watched
   blacklist, the elastic timeout and the reset limit;
 * when its own lease is lost it re-registers as a new member (a joiner).
 
+Its :class:`~peer_elastic.etcd.deaths.DeathProber` probes the members whose missing acks
+stand between this peer and writing (or, for the writer, all of them), so a crashed member
+is dropped when its probe port refuses, not ``join_timeout_s`` later.
+
 The training side (torch layer) only reads memory here: :attr:`latest_generation` and the
 ``wait_*`` methods. Nothing in this module imports torch, so many members can be simulated
 in one process (pass a shared ``view`` and ``keeper``).
@@ -37,6 +41,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.admin import drain
 from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.deaths import DeathProber
 from peer_elastic.etcd.done import FINISH_TIMEOUT_S, done_error
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
@@ -132,6 +137,7 @@ class Coordinator:
         # What this coordination thread did (the training side counts in Peer.stats).
         self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
         self.leader = Leader(job, stats=self.stats)  # counts generations_written, cas_lost, dropped
+        self.deaths = DeathProber(on_confirmed=self.view.wake)
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -366,6 +372,7 @@ class Coordinator:
         self._shutdown_threads()
 
     def _shutdown_threads(self) -> None:
+        self.deaths.stop()
         if self._own_keeper and self._keeper is not None:
             self._keeper.stop()
         self.view.stop()
@@ -381,10 +388,14 @@ class Coordinator:
     def _coordination_loop(self) -> None:
         version = -1
         wake_at: float | None = None
+        deaths_seen = -1
         while not self._stop.is_set():
             timeout = _TICK_S if wake_at is None else max(0.0, min(_TICK_S, wake_at - time.monotonic()))
             version = self.view.wait_change(
-                version, timeout, until=lambda: self._stop.is_set() or self._lost_lease.is_set())
+                version, timeout, until=lambda seen=deaths_seen: self._stop.is_set()
+                or self._lost_lease.is_set()
+                or self.deaths.version != seen)  # a death confirmed: decide at once
+            deaths_seen = self.deaths.version
             if self._stop.is_set():
                 return
             try:
@@ -439,7 +450,8 @@ class Coordinator:
         if self.member_id in snap.drains:
             self.drain_requested.set()
         self.config = snap.run.config
-        return self.leader.step(snap, now)
+        self.deaths.update(snap, self.member_id)
+        return self.leader.step(snap, now, self.deaths.confirmed())
 
     def _ack(self, n: int, alive: bool = False) -> None:
         assert self.writer is not None

@@ -6,7 +6,8 @@ acts. What it decides:
 
 * the elastic timeout: fewer than ``min_np`` eligible members for ``elastic_timeout_s``
   ends the run (a failed ``done``) and raises :class:`ElasticTimeout`;
-* which roster members are silent (no proof of life within ``join_timeout_s``; the silence
+* which roster members are silent (no proof of life within ``join_timeout_s``, or none yet
+  and confirmed dead by a refused probe, :mod:`~peer_elastic.etcd.deaths`; the silence
   clocks are kept here, by every member, so whoever leads next has them);
 * the next generation (:func:`~peer_elastic.etcd.roster.plan_next_generation`), or when to
   look again; the reset limit, which ends the run instead;
@@ -27,6 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Protocol
 
 from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
+from peer_elastic.etcd.deaths import Death
 from peer_elastic.etcd.roster import (
     ROSTER_BUDGET_BYTES,
     GenerationPlan,
@@ -116,8 +118,10 @@ class Leader:
 
     # -- deciding ---------------------------------------------------------------------------------
 
-    def step(self, snap: ViewSnapshot, now: float) -> float | None:
-        """Make every leader decision for ``snap`` at monotonic ``now``.
+    def step(self, snap: ViewSnapshot, now: float,
+             deaths: Mapping[str, Death] | None = None) -> float | None:
+        """Make every leader decision for ``snap`` at monotonic ``now``; ``deaths`` are the
+        members confirmed dead by probe (:class:`~peer_elastic.etcd.deaths.DeathProber`).
 
         Returns when to look again if time matters (else on the next change). Raises
         :class:`ElasticTimeout` when the run failed for want of peers.
@@ -130,7 +134,7 @@ class Leader:
         n = snap.generation_number
         settled = self.writer.etcd_settled_at()
         silent = silent_members(snap, self._gen_seen_at.get(n), cfg.join_timeout_s, now,
-                                settled, self._broken_seen_at.get(n))
+                                settled, self._broken_seen_at.get(n), deaths)
         # The writer is the oldest eligible member that is not itself silent, so a silent
         # leader is replaced by the next-oldest.
         writer = next((m.id for m in eligible if m.id not in silent), None)
@@ -144,7 +148,7 @@ class Leader:
             return None
         self._count_failures(snap, cfg)
         self._prune_events(snap)
-        plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget)
+        plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget, deaths)
         if isinstance(plan, Wait):
             return self._next_look(snap, plan, bool(silent), settled, cfg)
         if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:

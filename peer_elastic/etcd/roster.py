@@ -6,7 +6,8 @@ one place and makes it easy to test without etcd.
 Rules:
 
 * Eligible members are live, not drained, not fenced, not on a blacklisted host, and not *silent*
-  (in the current roster, yet without an ack past ``join_timeout``).
+  (in the current roster, yet without an ack past ``join_timeout``, or without an ack and
+  confirmed dead by a refused probe: :mod:`~peer_elastic.etcd.deaths`).
 * The next roster keeps the surviving members of the current roster in their rank order,
   then adds newcomers oldest first, up to ``max_np``. Rank 0 is therefore the oldest
   surviving holder of the training state; a newcomer never becomes rank 0 while one survives.
@@ -21,9 +22,10 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from peer_elastic.etcd.deaths import Death
 from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.records import GenerationCause, JobConfig
 
@@ -91,8 +93,10 @@ def _names(ids: Collection[str]) -> str:
 
 def plan_next_generation(
     snap: ViewSnapshot, cfg: JobConfig, silent: Collection[str], now: float,
-    roster_budget: int = ROSTER_BUDGET_BYTES,
+    roster_budget: int = ROSTER_BUDGET_BYTES, deaths: Mapping[str, Death] | None = None,
 ) -> GenerationPlan | Wait:
+    """The next generation, or why not yet (module docstring). ``deaths`` (confirmed by
+    probe) only explain drops in the reason; ``silent`` decides them."""
     gen = snap.generation
     prev = tuple(gen.roster) if gen is not None else ()
     # The rest of the silent members are dropped in the next round.
@@ -118,7 +122,7 @@ def plan_next_generation(
             # Members left or died and too few remain: a generation with an EMPTY roster
             # stops everyone together (a leaver can go; nobody trains below min_np), and
             # the rest wait for peers under the elastic timeout.
-            _, causes = _departures(snap, gone, dropped, broken)
+            _, causes = _departures(snap, gone, dropped, broken, deaths or {})
             return GenerationPlan(
                 number=gen.number + 1,  # type: ignore[union-attr]
                 roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
@@ -136,17 +140,17 @@ def plan_next_generation(
         return Wait("paused" if cfg.paused else "roster unchanged")
     elif not broken and not silent_now and quiet < cfg.settle_s:
         return Wait("settling", snap.membership_changed_at + cfg.settle_s)
-    return _plan(snap, roster, capped, dropped, broken)
+    return _plan(snap, roster, capped, dropped, broken, deaths or {})
 
 
 def _plan(snap: ViewSnapshot, roster: tuple[str, ...], capped: int, dropped: tuple[str, ...],
-          broken: bool) -> GenerationPlan:
+          broken: bool, deaths: Mapping[str, Death]) -> GenerationPlan:
     """The generation that installs ``roster``, with its reason and causes."""
     gen = snap.generation
     prev = tuple(gen.roster) if gen is not None else ()
     joined = tuple(m for m in roster if m not in prev)
     removed = tuple(m for m in prev if m not in roster)
-    parts, causes = _departures(snap, removed, dropped, broken)
+    parts, causes = _departures(snap, removed, dropped, broken, deaths)
     if gen is None:
         parts.insert(0, "first generation")
         causes.insert(0, GenerationCause.GENERATION_CAUSE_FIRST)
@@ -173,7 +177,7 @@ def _plan(snap: ViewSnapshot, roster: tuple[str, ...], capped: int, dropped: tup
 
 
 def _departures(snap: ViewSnapshot, removed: tuple[str, ...], dropped: tuple[str, ...],
-                broken: bool) -> tuple[list[str], list[GenerationCause]]:
+                broken: bool, deaths: Mapping[str, Death]) -> tuple[list[str], list[GenerationCause]]:
     """Why ``removed`` left the roster (and whether it broke): reason parts and causes."""
     parts: list[str] = []
     causes: list[GenerationCause] = []
@@ -181,8 +185,16 @@ def _departures(snap: ViewSnapshot, removed: tuple[str, ...], dropped: tuple[str
         n = snap.generation.number  # type: ignore[union-attr]
         parts.append("broken by " + _names(sorted(snap.broken[n])))
         causes.append(GenerationCause.GENERATION_CAUSE_BROKEN)
+    gone = [m for m in dropped if m in deaths]
+    timed_out = [m for m in dropped if m not in deaths]
+    if gone:
+        shown = gone[:_IDS_IN_REASON]
+        more = f" (+{len(gone) - len(shown)} more)" if len(gone) > len(shown) else ""
+        parts.append("dropped: " + ", ".join(f"{m} ({deaths[m].describe()})" for m in shown)
+                     + more)
+    if timed_out:
+        parts.append("dropped (no ack within join_timeout): " + _names(timed_out))
     if dropped:
-        parts.append("dropped (no ack within join_timeout): " + _names(dropped))
         causes.append(GenerationCause.GENERATION_CAUSE_DROPPED)
     # A member that fenced itself (its training thread hung) went with a record saying so.
     hung = [m for m in removed if m not in dropped and m in snap.fenced]
@@ -213,7 +225,8 @@ def _left_cause(snap: ViewSnapshot, member_id: str) -> GenerationCause:
 
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
                    now: float, settled_at: float = 0.0,
-                   broken_seen_at: float | None = None) -> dict[str, str]:
+                   broken_seen_at: float | None = None,
+                   deaths: Mapping[str, Death] | None = None) -> dict[str, str]:
     """Roster members of the current generation that gave no proof of life in time.
 
     Returns member id -> the ack it failed to give (``"ready"`` or ``"alive"``), which is also
@@ -224,6 +237,9 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
       thread did not answer "alive" within ``join_timeout``. This is what catches a dead
       *leader*: it acknowledged the generation long ago, and it is the one who would have
       written the next.
+
+    A member in ``deaths`` (its probe port refused a connection: its process is gone) that
+    still owes one of these acks is silent at once, without waiting for ``join_timeout``.
 
     The clock starts no earlier than the view's last (re)connection to etcd, nor than
     ``settled_at`` (when etcd was last seen disrupted, plus the time a stalled request needs
@@ -244,5 +260,15 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
         alive = snap.alive_for(n)
         for m in gen.roster:
             if m not in out and m not in alive and m not in broken and m in snap.members:
+                out[m] = "alive"
+    if deaths:
+        ready = snap.ready_for(n)
+        alive = snap.alive_for(n)
+        for m in gen.roster:
+            if m in out or m not in deaths or m not in snap.members:
+                continue
+            if m not in ready:
+                out[m] = "ready"
+            elif broken and m not in alive and m not in broken:
                 out[m] = "alive"
     return out

@@ -1,0 +1,111 @@
+"""Crash-and-restart resets under CPU load, counting healthy members dropped.
+
+Two healthy peers train with a third, the *victim*, which is SIGKILLed once it trains in a
+world of 3 and then started again: every round is one reset whose dead member is confirmed
+by a refused probe (peer_elastic/etcd/deaths.py). Meanwhile ``hogs`` busy-loop processes
+compete for the CPUs. A healthy peer wrongly dropped shows as a lost lease / re-registration
+in its log, or as a world smaller than 2 while both healthy peers run. At the end the job
+stops through ``WORKER_END_FILE`` and the exactly-once oracle must hold.
+
+Used by tests/test_crash_detection.py (a few rounds) and benchmarks/bench_false_drops.py
+(the issue's 200).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.helpers.procs import Cluster, PeerProc
+
+GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
+DROPPED = re.compile(r"member \S+ lost its lease")  # logged once per loss (coordinator)
+
+
+@dataclass
+class ResetReport:
+    """What :func:`run_resets` saw."""
+
+    resets: int = 0
+    false_drops: int = 0  # healthy peers dropped (must be 0)
+    recovery_s: list[float] = field(default_factory=list)  # kill -> world of 2 seen
+    exact: bool = False  # the exactly-once oracle held at the end
+    notes: list[str] = field(default_factory=list)
+
+
+def _worlds(p: PeerProc) -> list[int]:
+    with p.cond:
+        return [int(m.group(3)) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
+
+
+def _wait_world(p: PeerProc, size: int, after: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while size not in _worlds(p)[after:]:
+        if time.monotonic() > deadline or p.proc.poll() is not None:
+            raise AssertionError(f"{p.name}: no world of {size} in {timeout} s:\n{p.output()}")
+        try:
+            p.wait_line("GEN", timeout=0.2, after=len(p.lines))
+        except AssertionError:
+            pass
+
+
+def start_hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def run_resets(endpoint: str, job: str, resets: int, end_file: Path, hogs: int = 2,
+               settings: dict[str, object] | None = None,
+               say: Callable[[str], None] = lambda s: None) -> ResetReport:
+    """Run ``resets`` crash-and-restart rounds (module docstring); processes are always
+    stopped on the way out."""
+    report = ResetReport()
+    cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2, "WORKER_EPOCHS": 100000,
+                                        "WORKER_SAMPLES": 480, "WORKER_STEP_S": 0.02,
+                                        "WORKER_END_FILE": end_file, **(settings or {})})
+    hog_procs = start_hogs(hogs)
+    try:
+        healthy = cluster.start(2)
+        for p in healthy:
+            p.wait_line("GEN", timeout=120)
+        for k in range(resets):
+            (victim,) = cluster.start(1)
+            _wait_world(victim, 3, 0, 180)
+            after = len(_worlds(healthy[0]))
+            t0 = time.monotonic()
+            victim.kill()
+            _wait_world(healthy[0], 2, after, 120)
+            report.recovery_s.append(time.monotonic() - t0)
+            report.resets += 1
+            say(f"reset {k + 1}/{resets}: world of 2 after {report.recovery_s[-1]:.2f} s")
+        end_file.touch()
+        for p in healthy:
+            code = p.wait(300)
+            if code != 0:
+                report.notes.append(f"{p.name} exited {code}")
+        for p in healthy:
+            text = "\n".join(p.lines)
+            report.false_drops += len(DROPPED.findall(text))
+            if any(w < 2 for w in _worlds(p)[1:]):
+                report.notes.append(f"{p.name} trained in a world below 2: {_worlds(p)}")
+                report.false_drops += 1
+        results = []
+        for p in healthy:  # rank 0 prints it; the reader may still be draining the pipe
+            try:
+                results.append(json.loads(p.wait_line("RESULT ", timeout=10).split(" ", 1)[1]))
+            except AssertionError:
+                continue
+        report.exact = bool(results) and all(r["exact"] and r["identical"] for r in results)
+        if not report.exact:
+            report.notes.append(f"oracle: {results or 'no RESULT line'}")
+        return report
+    finally:
+        cluster.close()
+        for h in hog_procs:
+            h.kill()
+            h.wait(10)
