@@ -67,8 +67,9 @@ from peer_elastic.etcd_server import EtcdServer
 
 #: EtcdClient methods that each send (at least) one request to etcd. ``create`` and
 #: ``compare_and_put`` go through ``txn`` and are counted there.
-COUNTED = ("get", "get_prefix", "put", "delete", "txn", "grant", "keepalive", "revoke",
-           "lease_ttl", "watch_prefix", "cancel_watch", "revision", "compact")
+# keepalive_many (one stream refreshing every due lease of a process) counts as one request.
+COUNTED = ("get", "get_prefix", "put", "delete", "txn", "grant", "keepalive", "keepalive_many",
+           "revoke", "lease_ttl", "watch_prefix", "cancel_watch", "revision", "compact")
 
 TARGET_JOIN_S = 2.0  # N = 256: converge within 2 s of the last join
 TARGET_LEAVE_MS = 100.0  # N = 64: a leave seen everywhere within 100 ms (median)
