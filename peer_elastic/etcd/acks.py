@@ -30,12 +30,19 @@ class _Pending:
     key: str
     value: bytes
     lease: int
-    done: threading.Event = field(default_factory=threading.Event)
+    wake: threading.Event = field(default_factory=threading.Event)  # written, or our turn
+    lead: bool = False  # this submitter writes the queue now
+    finished: bool = False
     error: EtcdError | None = None
 
 
 class AckBatcher:
-    """Group commit of puts through one client; see the module docstring."""
+    """Group commit of puts through one client; see the module docstring.
+
+    The submitter that finds nobody writing becomes the flusher: it writes queued batches
+    until its own ack is in, then hands the rest to the oldest waiter, so no member's
+    thread works for the others longer than for its own batch and the one before it.
+    """
 
     def __init__(self, client: EtcdClient) -> None:
         self._client = client
@@ -51,22 +58,27 @@ class AckBatcher:
         mine = _Pending(key, value, lease)
         with self._lock:
             self._queue.append(mine)
-            flusher = not self._flushing
-            self._flushing = True
-        if flusher:
-            self._flush_all()
-        mine.done.wait()
+            if not self._flushing:
+                self._flushing = mine.lead = True
+        if not mine.lead:
+            mine.wake.wait()  # written by another, or handed the lead
+        if not mine.finished:
+            self._flush_until_written(mine)
         if mine.error is not None:
             raise mine.error
 
-    def _flush_all(self) -> None:
-        while True:
+    def _flush_until_written(self, mine: _Pending) -> None:
+        while not mine.finished:  # ours is queued, so some batch below holds it
             with self._lock:
                 batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-                if not batch:
-                    self._flushing = False
-                    return
             self._write(batch)
+        with self._lock:
+            if self._queue:
+                successor = self._queue[0]
+                successor.lead = True
+                successor.wake.set()
+            else:
+                self._flushing = False
 
     def _write(self, batch: list[_Pending]) -> None:
         try:
@@ -94,7 +106,8 @@ class AckBatcher:
     def _finish(batch: list[_Pending], error: EtcdError | None) -> None:
         for p in batch:
             p.error = error
-            p.done.set()
+            p.finished = True
+            p.wake.set()
 
 
 _batchers: weakref.WeakKeyDictionary[EtcdClient, AckBatcher] = weakref.WeakKeyDictionary()
