@@ -67,8 +67,9 @@ from peer_elastic.etcd_server import EtcdServer
 
 #: EtcdClient methods that each send (at least) one request to etcd. ``create`` and
 #: ``compare_and_put`` go through ``txn`` and are counted there.
-COUNTED = ("get", "get_prefix", "put", "delete", "txn", "grant", "keepalive", "revoke",
-           "lease_ttl", "watch_prefix", "cancel_watch", "revision", "compact")
+# keepalive_many (one stream refreshing every due lease of a process) counts as one request.
+COUNTED = ("get", "get_prefix", "put", "delete", "txn", "grant", "keepalive", "keepalive_many",
+           "revoke", "lease_ttl", "watch_prefix", "cancel_watch", "revision", "compact")
 
 TARGET_JOIN_S = 2.0  # N = 256: converge within 2 s of the last join
 TARGET_LEAVE_MS = 100.0  # N = 64: a leave seen everywhere within 100 ms (median)
@@ -424,11 +425,16 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
         pool.call_all("probe", {"probes": {"join_full": ["full", n, 0],
                                            "join_acked": ["full_acked", n, 0]}})
         shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        cj0 = pool.call_all("counts")
         joined = [m for r in pool.call_all("join", [{"k": k} for k in shares]) for m in r]
         last_put = max(m["put_t"] for m in joined)
         first_put = min(m["put_t"] for m in joined)
         res = pool.call_all("wait", {"names": ["join_full", "join_acked"], "timeout": 60}, 90)
         full, acked = worst(res, "join_full"), worst(res, "join_acked")
+        # CPU of every worker from before the first registration until all acked (plus the
+        # wait's own polling): what joining costs per member, whoever spends it.
+        join_cpu = sum(b["cpu"] - a["cpu"] for a, b in zip(cj0, pool.call_all("counts"),
+                                                            strict=True))
         out["join"] = {
             "register_span_s": last_put - first_put,
             "converge_s": full["t"] - last_put,
@@ -436,11 +442,15 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
             "generation_written_after_last_join_s": full["written"] - last_put,
             "propagation_after_write_s": full["t"] - full["written"],
             "all_acked_s": acked["t"] - last_put,
+            "worker_cpu_s": join_cpu,
+            "worker_cpu_ms_per_member": join_cpu / n * 1e3,
             "generation": full["gen"],
         }
         log(f"N={n}: registered in {last_put - first_put:.2f} s; converged "
             f"{out['join']['converge_s']:.3f} s after the last join (generation "
-            f"{full['gen']} written after {out['join']['generation_written_after_last_join_s']:.3f} s)")
+            f"{full['gen']} written after {out['join']['generation_written_after_last_join_s']:.3f} s); "
+            f"all acked after {out['join']['all_acked_s']:.3f} s; worker CPU "
+            f"{join_cpu / n * 1e3:.1f} ms per member")
 
         # (c) steady state: no membership change
         time.sleep(args.quiet)
@@ -605,8 +615,9 @@ def fmt_table(results: list[dict[str, Any]]) -> str:
                      f"{_f(st, 'server_per_member_per_min', '.1f')} |")
     lines += ["", "| N | register span (s) | gen written after last join (s) | all acked (s) "
               "| leave: written (ms) | leave: all acked (ms) | leader leave (ms) "
-              "| close() (ms) | late join (ms) | worker CPU (cores) | CAS lost / dropped / rejoins |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| close() (ms) | late join (ms) | worker CPU (cores) "
+              "| CPU/member: join (ms) / idle (ms/s) | CAS lost / dropped / rejoins |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         j, lv, st = r.get("join"), r.get("leave"), r.get("steady")
         stats = [x for x in r.get("coordinator_stats", []) if "error" not in x]
@@ -619,6 +630,8 @@ def fmt_table(results: list[dict[str, Any]]) -> str:
             f"{_f(lv, 'close_median_ms', '.0f')} | "
             f"{_f(r.get('late_join'), 'everywhere_median_ms', '.1f')} | "
             f"{_f(st, 'worker_cpu_s_per_s', '.2f')} | "
+            f"{_f(j, 'worker_cpu_ms_per_member', '.1f')} / "
+            f"{_f(st, 'worker_cpu_ms_per_member_per_s', '.3f')} | "
             f"{tot['cas_lost']} / {tot['dropped']} / {tot['rejoins']} |")
     for r in results:
         if "error" in r:

@@ -418,7 +418,7 @@ def test_members_sharing_a_keeper_keep_the_run_alive_when_one_closes(
     coords = [Coordinator(client, unique_job, settings, view=view, keeper=keeper).start()
               for _ in range(3)]
     try:
-        assert sum(1 for d in keeper._heap if d.lease_id == coords[0].run.lease_id) == 1
+        assert keeper.scheduled(coords[0].run.lease_id) == 1
         coords[0].close()
         time.sleep(4.5)  # longer than run_ttl: only the refresh keeps the run alive
         for c in coords[1:]:

@@ -45,7 +45,7 @@ from peer_elastic.etcd.deaths import DeathProber
 from peer_elastic.etcd.done import FINISH_TIMEOUT_S, done_error
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
-from peer_elastic.etcd.lease import LeaseKeeper, Session
+from peer_elastic.etcd.lease import Lane, LeaseKeeper, Session
 from peer_elastic.etcd.registration import Identity, default_host, register
 from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
 from peer_elastic.etcd.view import JobView, ViewSnapshot
@@ -182,7 +182,9 @@ class Coordinator:
         if closed:
             reg.session.close(revoke=True)
             raise _Closed(f"job {self.job!r}: closed while registering; registration undone")
-        self._keeper.keep(reg.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost)
+        # Its own lane: member leases of this process never delay the run lease's refresh.
+        self._keeper.keep(reg.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost,
+                          lane=Lane.RUN)
         log.info("joined job %s run %s as %s (lease %x)", self.job, reg.run.run_id,
                  reg.member_id, reg.session.lease_id)
         self.record_event("joined", detail=f"host {self.host} pid {os.getpid()}")
@@ -238,7 +240,7 @@ class Coordinator:
         """Our place in the current generation, or None (standby, or no generation yet)."""
         snap = snap or self.snapshot()
         gen = snap.generation
-        if gen is None or self.member_id not in gen.roster:
+        if gen is None or self.member_id not in snap.roster_ids():
             return None
         return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
                           tuple(gen.roster), self.member_id in gen.joined, gen.reason,
@@ -442,10 +444,10 @@ class Coordinator:
         if gen is not None:
             self._acked &= {gen.number - 1, gen.number}
             self._alive_acked &= {gen.number - 1, gen.number}
-            if self.member_id in gen.roster and gen.number not in self._acked:
+            listed = self.member_id in snap.roster_ids()
+            if listed and gen.number not in self._acked:
                 self._ack(gen.number)
-            if snap.broken.get(gen.number) and self.member_id in gen.roster \
-                    and gen.number not in self._alive_acked:
+            if snap.broken.get(gen.number) and listed and gen.number not in self._alive_acked:
                 self._ack(gen.number, alive=True)  # proof of life after the break
         if self.member_id in snap.drains:
             self.drain_requested.set()

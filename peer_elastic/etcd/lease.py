@@ -1,15 +1,16 @@
 """Leases kept alive from a thread of their own.
 
 etcd's Python clients have no keep-alive loop: ``refresh()`` is one round trip. A
-:class:`LeaseKeeper` runs one daemon thread that refreshes any number of leases, each about
-every TTL/3, and tells the owner at once when etcd says a lease is gone (expired or
-revoked). While etcd is unreachable it keeps trying: etcd restores leases with a full TTL
+:class:`LeaseKeeper` runs a daemon thread per :class:`Lane` that refreshes any number of
+leases, each about every TTL/3 (those due together over one stream), and tells the owner at
+once when etcd says a lease is gone (expired or revoked). While etcd is unreachable it keeps trying: etcd restores leases with a full TTL
 when it comes back, so "unreachable" is not "lost". :class:`Session` is one lease with a
 keeper, in the manner of etcd's Go ``concurrency.Session``.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import logging
 import threading
@@ -25,6 +26,26 @@ log = logging.getLogger(__name__)
 OnLost = Callable[[int, str], None]
 
 
+class Lane(enum.Enum):
+    """Which refresh thread of a :class:`LeaseKeeper` keeps a lease alive.
+
+    A run lease must outlive every member: it gets a thread of its own, so it is never
+    refreshed late because hundreds of member leases of the same process were due first
+    (an expired run lease ends the run for everyone; an expired member lease only makes that
+    member rejoin).
+    """
+
+    MEMBER = "member"
+    RUN = "run"
+
+
+#: Leases due within this much of the first due one are refreshed in the same round (one
+#: stream): refreshing a little early is harmless, one stream per lease is not.
+BATCH_AHEAD_S = 0.25
+#: Most leases refreshed over one stream.
+BATCH_MAX = 500
+
+
 @dataclass(order=True)
 class _Due:
     at: float
@@ -37,109 +58,189 @@ class _Kept:
     callbacks: list[OnLost]  # one per keep(); the lease is refreshed while any remains
     last_ok: float
 
+    @property
+    def interval(self) -> float:
+        return max(0.1, self.ttl_s / 3.0)
 
-class LeaseKeeper:
-    """Refreshes registered leases from one daemon thread.
 
-    ``on_lost(lease_id, why)`` runs in the keeper thread as soon as etcd reports the lease
-    gone; the lease is then forgotten. Callbacks must be quick and must not block.
-    """
+class _RefreshThread:
+    """One daemon thread refreshing a set of leases, each about every TTL/3, in batches."""
 
-    def __init__(self, client: EtcdClient, name: str = "lease-keeper") -> None:
+    def __init__(self, client: EtcdClient, name: str) -> None:
         self._client = client
-        self._leases: dict[int, _Kept] = {}
-        self._heap: list[_Due] = []
-        self._lock = threading.Lock()
+        self.leases: dict[int, _Kept] = {}
+        self.heap: list[_Due] = []
+        self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
 
     def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost) -> None:
-        """Start refreshing ``lease_id`` (first refresh after TTL/3).
-
-        Keeping a lease that is already kept (members of one process share the run lease)
-        only adds ``on_lost``: the lease is refreshed once, until every keeper forgot it.
-        """
-        with self._lock:
-            kept = self._leases.get(lease_id)
+        with self.lock:
+            kept = self.leases.get(lease_id)
             if kept is not None:
                 kept.callbacks.append(on_lost)
                 return
-            self._leases[lease_id] = _Kept(ttl_s, [on_lost], time.monotonic())
-            heapq.heappush(self._heap, _Due(time.monotonic() + self._interval(ttl_s), lease_id))
+            kept = _Kept(ttl_s, [on_lost], time.monotonic())
+            self.leases[lease_id] = kept
+            heapq.heappush(self.heap, _Due(time.monotonic() + kept.interval, lease_id))
         self._wake.set()
 
-    def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
-        """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
-        with self._lock:
-            kept = self._leases.get(lease_id)
+    def forget(self, lease_id: int, on_lost: OnLost | None) -> bool:
+        """Undo one keep; False when this thread does not keep ``lease_id``."""
+        with self.lock:
+            kept = self.leases.get(lease_id)
             if kept is None:
-                return
+                return False
             if on_lost is not None and on_lost in kept.callbacks:
                 kept.callbacks.remove(on_lost)
             elif kept.callbacks:
                 kept.callbacks.pop()
             if not kept.callbacks:
-                del self._leases[lease_id]
+                del self.leases[lease_id]
+            return True
 
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    @staticmethod
-    def _interval(ttl_s: float) -> float:
-        return max(0.1, ttl_s / 3.0)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            with self._lock:
-                due = self._heap[0] if self._heap else None
             now = time.monotonic()
-            if due is None or due.at > now:
-                self._wake.wait(timeout=None if due is None else due.at - now)
+            with self.lock:
+                first = self.heap[0].at if self.heap else None
+                due: dict[int, _Kept] = {}
+                if first is not None and first <= now:
+                    while self.heap and self.heap[0].at <= now + BATCH_AHEAD_S \
+                            and len(due) < BATCH_MAX:
+                        lease_id = heapq.heappop(self.heap).lease_id
+                        kept = self.leases.get(lease_id)
+                        if kept is not None:
+                            due[lease_id] = kept
+            if first is None or first > now:
+                self._wake.wait(timeout=None if first is None else first - now)
                 self._wake.clear()
                 continue
-            with self._lock:
-                heapq.heappop(self._heap)
-                kept = self._leases.get(due.lease_id)
-            if kept is None:
-                continue
-            self._refresh(due.lease_id, kept)
+            if due:
+                self._refresh(due)
 
-    def _refresh(self, lease_id: int, kept: _Kept) -> None:
-        interval = self._interval(kept.ttl_s)
+    def _refresh(self, due: dict[int, _Kept]) -> None:
+        # Budget below the shortest interval: a slow round must not starve the next one.
+        budget = min(k.interval for k in due.values())
         try:
-            # Budget below the interval: a slow attempt must not starve other leases.
-            self._client.keepalive(lease_id, budget_s=interval)
-            kept.last_ok = time.monotonic()
-            next_at = time.monotonic() + interval
+            if len(due) == 1:
+                [(lease_id, _)] = due.items()
+                ttls = {lease_id: self._client.keepalive(lease_id, budget_s=budget)}
+            else:
+                ttls = self._client.keepalive_many(list(due), budget_s=budget)
         except LeaseNotFound as exc:
-            self._lost(lease_id, kept, str(exc))
-            return
+            if len(due) == 1:
+                [(lease_id, kept)] = due.items()
+                self._lost(lease_id, kept, str(exc))
+                return
+            ttls = {lease_id: 0 for lease_id in due}  # find out which, one by one
         except EtcdAuthError as exc:
-            log.error("keeping lease %x alive: %s", lease_id, exc)
-            next_at = time.monotonic() + interval
+            log.error("keeping %d lease(s) alive: %s", len(due), exc)
+            self._schedule({i: time.monotonic() + k.interval for i, k in due.items()})
+            return
         except EtcdError as exc:
-            # Unreachable: keep trying, faster. etcd keeps the lease while it is down.
-            silent = time.monotonic() - kept.last_ok
-            log.warning("lease %x: etcd unreachable for %.1f s: %s", lease_id, silent, exc)
-            next_at = time.monotonic() + min(interval, 0.25)
-        with self._lock:
-            if lease_id in self._leases:
-                heapq.heappush(self._heap, _Due(next_at, lease_id))
+            # Unreachable: keep trying, faster. etcd keeps the leases while it is down.
+            silent = time.monotonic() - min(k.last_ok for k in due.values())
+            log.warning("%d lease(s): etcd unreachable for %.1f s: %s", len(due), silent, exc)
+            self._schedule({i: time.monotonic() + min(k.interval, 0.25) for i, k in due.items()})
+            return
+        next_at: dict[int, float] = {}
+        for lease_id, kept in due.items():
+            if ttls.get(lease_id, 0) <= 0 and len(due) > 1:
+                # etcd did not know it: confirm on its own before believing it (keepalive).
+                try:
+                    self._client.keepalive(lease_id, budget_s=budget)
+                except LeaseNotFound as exc:
+                    self._lost(lease_id, kept, str(exc))
+                    continue
+                except EtcdError:
+                    next_at[lease_id] = time.monotonic() + min(kept.interval, 0.25)
+                    continue
+            kept.last_ok = time.monotonic()
+            next_at[lease_id] = kept.last_ok + kept.interval
+        self._schedule(next_at)
+
+    def _schedule(self, next_at: dict[int, float]) -> None:
+        with self.lock:
+            for lease_id, at in next_at.items():
+                if lease_id in self.leases:
+                    heapq.heappush(self.heap, _Due(at, lease_id))
 
     def _lost(self, lease_id: int, kept: _Kept, why: str) -> None:
-        with self._lock:
-            if self._leases.pop(lease_id, None) is None:
+        with self.lock:
+            if self.leases.pop(lease_id, None) is None:
                 return
         for callback in kept.callbacks:
             try:
                 callback(lease_id, why)
             except Exception:
                 log.exception("lease-lost callback failed")
+
+
+class LeaseKeeper:
+    """Refreshes registered leases from daemon threads: one per :class:`Lane` in use.
+
+    Leases of one lane that fall due together are refreshed over one stream
+    (:meth:`EtcdClient.keepalive_many`), so a process with hundreds of members pays one round
+    trip per refresh round, not one per member.
+
+    ``on_lost(lease_id, why)`` runs in a keeper thread as soon as etcd reports the lease
+    gone; the lease is then forgotten. Callbacks must be quick and must not block.
+    """
+
+    def __init__(self, client: EtcdClient, name: str = "lease-keeper") -> None:
+        self._client = client
+        self._name = name
+        self._lock = threading.Lock()
+        self._threads: dict[Lane, _RefreshThread] = {Lane.MEMBER: _RefreshThread(client, name)}
+        self._stopped = False
+
+    def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost,
+             lane: Lane = Lane.MEMBER) -> None:
+        """Start refreshing ``lease_id`` (first refresh after TTL/3) in ``lane``.
+
+        Keeping a lease that is already kept (members of one process share the run lease)
+        only adds ``on_lost``: the lease is refreshed once, until every keeper forgot it.
+        """
+        with self._lock:
+            refresher = self._threads.get(lane)
+            if refresher is None:
+                refresher = _RefreshThread(self._client, f"{self._name}:{lane.value}")
+                self._threads[lane] = refresher
+        refresher.keep(lease_id, ttl_s, on_lost)
+
+    def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
+        """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
+        with self._lock:
+            refreshers = list(self._threads.values())
+        for refresher in refreshers:
+            if refresher.forget(lease_id, on_lost):
+                return
+
+    def scheduled(self, lease_id: int) -> int:
+        """How many refreshes of ``lease_id`` are queued: 1 while it is kept, else 0."""
+        with self._lock:
+            refreshers = list(self._threads.values())
+        count = 0
+        for refresher in refreshers:
+            with refresher.lock:
+                if lease_id in refresher.leases:
+                    count += sum(1 for d in refresher.heap if d.lease_id == lease_id)
+        return count
+
+    def stop(self) -> None:
+        with self._lock:
+            refreshers = list(self._threads.values())
+        for refresher in refreshers:
+            refresher.stop()
 
 
 class Session:

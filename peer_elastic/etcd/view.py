@@ -115,6 +115,19 @@ class ViewSnapshot:
     def generation_number(self) -> int:
         return self.generation.number if self.generation is not None else 0
 
+    def roster_ids(self) -> frozenset[str]:
+        """The current generation's roster as a set (empty without a generation).
+
+        Computed once per snapshot: every member of a process asks "am I listed" on every
+        change, and a membership test on the protobuf list costs O(roster).
+        """
+        cached = self.__dict__.get("_roster_ids")
+        if cached is None:
+            cached = frozenset(self.generation.roster) if self.generation is not None \
+                else frozenset()
+            object.__setattr__(self, "_roster_ids", cached)
+        return cached
+
     def ready_for(self, n: int) -> frozenset[str]:
         return self.ready.get(n, frozenset())
 

@@ -10,6 +10,11 @@ picture is always the one etcd has at some revision, never one with holes.
 Consumers get callbacks from a single thread, in revision order:
 ``on_snapshot(kvs, revision)`` (initially and after a compaction) and
 ``on_events(events, revision)``.
+
+When the consumer falls behind (hundreds of members in one process, a loaded machine), the
+watch responses that queued up meanwhile are handed over in one ``on_events`` call: the
+consumer pays its per-call cost (a new picture, waking its waiters) once per backlog instead
+of once per response, so its cost stops growing with the rate of events.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from peer_elastic.errors import EtcdError, RevisionCompacted
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
@@ -27,6 +33,12 @@ log = logging.getLogger(__name__)
 
 OnSnapshot = Callable[[list[KeyValue], int], None]
 OnEvents = Callable[[list[WatchEvent], int], None]
+
+#: At most this many queued watch responses are merged into one delivery (a bound on the
+#: delay a merged batch adds for the first of its events).
+MAX_COALESCED = 256
+
+_Item = tuple[int, Any, int]  # (epoch, events | exception | None, header revision)
 
 
 class PrefixWatch:
@@ -47,7 +59,8 @@ class PrefixWatch:
         self._on_events = on_events
         self._on_connected = on_connected
         self._max_backoff_s = max_backoff_s
-        self._items: queue.Queue[tuple[int, object, int]] = queue.Queue()
+        self._items: queue.Queue[_Item] = queue.Queue()
+        self._held: _Item | None = None  # taken from the queue while coalescing, not events
         self._epoch = 0  # bumped per re-created watch; items of dead watches are dropped
         self._watch_id: int | None = None
         self._stopped = threading.Event()
@@ -113,7 +126,7 @@ class PrefixWatch:
                     self._stopped.wait(backoff)
                     backoff = min(self._max_backoff_s, backoff * 2)
                     continue
-            epoch, item, rev = self._items.get()
+            epoch, item, rev = self._next_item()
             if self._stopped.is_set():
                 return
             if epoch != self._epoch:
@@ -129,7 +142,37 @@ class PrefixWatch:
                 need_watch = True
             else:
                 backoff = 0.05
-                self._deliver(item, rev)  # type: ignore[arg-type]
+                events, rev = self._coalesce(item, rev)
+                self._deliver(events, rev)
+
+    def _next_item(self) -> _Item:
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
+        return self._items.get()
+
+    def _coalesce(self, events: list[WatchEvent], rev: int) -> tuple[list[WatchEvent], int]:
+        """Append the events of every response of the current watch already queued behind
+        this one (up to :data:`MAX_COALESCED`). Anything else (an error, the stop marker)
+        ends the batch and is held for the next round, so order is kept."""
+        merged: list[WatchEvent] | None = None
+        for _ in range(MAX_COALESCED - 1):
+            try:
+                nxt = self._items.get_nowait()
+            except queue.Empty:
+                break
+            epoch, item, nrev = nxt
+            if epoch == self._epoch and isinstance(item, list):
+                if merged is None:
+                    merged = list(events)
+                merged.extend(item)
+                rev = max(rev, nrev)
+                continue
+            if epoch == self._epoch or epoch < 0:
+                self._held = nxt
+                break
+            # else: leftovers of a watch that already failed
+        return (events if merged is None else merged), rev
 
     def _deliver(self, events: list[WatchEvent], header_rev: int) -> None:
         fresh = [e for e in events if e.kv.mod_revision > self.revision]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 
 from peer_elastic.errors import EtcdError
+from peer_elastic.etcd.acks import batcher_for
 from peer_elastic.etcd.client import EtcdClient, Txn
 from peer_elastic.etcd.done import write_done
 from peer_elastic.etcd.keys import RunKeys
@@ -73,12 +74,15 @@ class RunWriter:
     # -- this member's own records ----------------------------------------------------------------
 
     def ack(self, kind: AckKind, generation: int, member_lease: int, detail: str = "") -> None:
-        """Acknowledge ``generation`` under the member lease (it ends with the member)."""
+        """Acknowledge ``generation`` under the member lease (it ends with the member).
+
+        Written together with the acks other members sharing our client give at the same
+        moment (:mod:`~peer_elastic.etcd.acks`): one transaction and one revision for all."""
         rec = AckRecord(member_id=self.member_id, generation=generation, unix=time.time(),
                         detail=detail)
         key = {AckKind.READY: self.keys.ready, AckKind.ALIVE: self.keys.alive,
                AckKind.BROKEN: self.keys.broken}[kind](generation, self.member_id)
-        self.client.put(key, encode(rec), member_lease)
+        batcher_for(self.client).put(key, encode(rec), member_lease)
 
     def progress(self, rec: ProgressRecord) -> None:
         """Write the last committed position (``status`` shows it)."""

@@ -1,0 +1,127 @@
+"""LeaseKeeper: batched refreshes, the run lease's own lane, loss confirmed per lease.
+
+Unit tests against a fake client (the real keep-alive stream is exercised by every
+coordination test)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from peer_elastic.errors import LeaseNotFound
+from peer_elastic.etcd.lease import Lane, LeaseKeeper
+
+WAIT_S = 20.0  # generous: the machine may be loaded
+
+
+class FakeLeases:
+    """keepalive / keepalive_many of an etcd that knows ``alive`` leases.
+
+    ``stall`` (when set) blocks every multi-lease round until released: a member lane
+    stuck behind an overloaded etcd or process."""
+
+    def __init__(self, alive: set[int]) -> None:
+        self.alive = alive
+        self.lock = threading.Condition()
+        self.single: dict[int, int] = {}
+        self.rounds: list[list[int]] = []
+        self.stall: threading.Event | None = None
+
+    def keepalive(self, lease_id: int, budget_s: float | None = None) -> int:
+        with self.lock:
+            self.single[lease_id] = self.single.get(lease_id, 0) + 1
+            self.lock.notify_all()
+            if lease_id not in self.alive:
+                raise LeaseNotFound(f"lease {lease_id:x} expired or was revoked")
+            return 10
+
+    def keepalive_many(self, lease_ids: Sequence[int],
+                       budget_s: float | None = None) -> dict[int, int]:
+        stall = self.stall
+        if stall is not None:
+            stall.wait(WAIT_S)
+        with self.lock:
+            self.rounds.append(list(lease_ids))
+            self.lock.notify_all()
+            return {i: (10 if i in self.alive else 0) for i in lease_ids}
+
+    def wait(self, predicate, timeout: float = WAIT_S) -> bool:  # noqa: ANN001
+        with self.lock:
+            return self.lock.wait_for(predicate, timeout)
+
+
+def test_leases_due_together_are_refreshed_in_one_round() -> None:
+    fake = FakeLeases(set(range(1, 201)))
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    try:
+        for lease_id in range(1, 201):
+            keeper.keep(lease_id, 0.9, lambda *_: None)
+        assert fake.wait(lambda: len({i for r in fake.rounds for i in r}) == 200)
+        # 200 leases kept within a moment of each other: a handful of rounds, not 200 calls.
+        assert len(fake.rounds) <= 10
+        assert not fake.single
+    finally:
+        keeper.stop()
+
+
+def test_a_lease_missing_from_a_round_is_confirmed_alone_before_it_is_lost() -> None:
+    fake = FakeLeases({1, 2, 3})
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    lost: list[int] = []
+    gone = threading.Event()
+
+    def on_lost(lease_id: int, why: str) -> None:
+        lost.append(lease_id)
+        gone.set()
+
+    try:
+        for lease_id in (1, 2, 3, 4):
+            keeper.keep(lease_id, 0.6, on_lost)
+        assert gone.wait(WAIT_S)
+        assert lost == [4]
+        assert fake.single.get(4, 0) >= 1  # confirmed on its own, not taken from the round
+        assert fake.wait(lambda: sum(r.count(1) for r in fake.rounds) >= 2)  # others go on
+        assert keeper.scheduled(4) == 0 and keeper.scheduled(1) == 1
+    finally:
+        keeper.stop()
+
+
+def test_the_run_lane_is_refreshed_while_member_refreshes_are_stuck() -> None:
+    """Hundreds of member leases whose refresh hangs (an overloaded etcd or process) must
+    not delay the run lease: its expiry would end the run for every member."""
+    fake = FakeLeases(set(range(1, 502)))
+    fake.stall = threading.Event()
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    run_lease = 501
+    try:
+        for lease_id in range(1, 501):
+            keeper.keep(lease_id, 0.6, lambda *_: None)
+        keeper.keep(run_lease, 0.6, lambda *_: None, lane=Lane.RUN)
+        t0 = time.monotonic()
+        # The run lease (interval 0.2 s) is refreshed again and again meanwhile.
+        assert fake.wait(lambda: fake.single.get(run_lease, 0) >= 3)
+        assert not fake.rounds  # the member lane is still stuck
+        assert time.monotonic() - t0 < WAIT_S
+    finally:
+        fake.stall.set()
+        keeper.stop()
+
+
+def test_forget_removes_a_lease_from_its_lane() -> None:
+    fake = FakeLeases({7})
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+
+    def cb(*_: object) -> None:
+        return None
+
+    try:
+        keeper.keep(7, 30, cb, lane=Lane.RUN)
+        assert keeper.scheduled(7) == 1
+        keeper.forget(7, cb)
+        assert keeper.scheduled(7) == 0
+        keeper.keep(8, 30, cb)
+        keeper.forget(8)
+        assert keeper.scheduled(8) == 0
+    finally:
+        keeper.stop()
