@@ -102,8 +102,10 @@ def main() -> int:
     model = build_model()
     warm_up(model)
     optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    join = pe.join  # imports the rest of the library (lazily loaded) before READY, as the
+    # torchrun and torchft workers import theirs: READY means "imported, about to join"
     say("READY", now(), os.getpid())
-    with pe.join() as peer:
+    with join() as peer:
         state = pe.TorchState(model=model, optimizer=optimizer, step=0)
 
         def train(state: pe.TorchState) -> int:
