@@ -64,7 +64,7 @@ def _ack_all(batcher: AckBatcher, fake: FakeKV, n: int) -> dict[int, BaseExcepti
     rest = [threading.Thread(target=ack, args=(i,)) for i in range(1, n)]
     for t in rest:
         t.start()
-    while len(batcher._queue) < n - 1:  # noqa: SLF001 - test looks at the queue only
+    while batcher.queued < n - 1:
         threading.Event().wait(0.001)
     fake.gate.set()
     for t in [first, *rest]:

@@ -51,6 +51,12 @@ class AckBatcher:
         self._flushing = False
         self.batches = 0  # transactions written (for tests and benchmarks)
 
+    @property
+    def queued(self) -> int:
+        """Acks waiting for a batch now (for tests and benchmarks)."""
+        with self._lock:
+            return len(self._queue)
+
     def put(self, key: str, value: bytes, lease: int) -> None:
         """Write ``key`` under ``lease``, together with whatever other acks are queued.
 

@@ -7,6 +7,11 @@ compete for the CPUs. A healthy peer wrongly dropped shows as a lost lease / re-
 in its log, or as a world smaller than 2 while both healthy peers run. At the end the job
 stops through ``WORKER_END_FILE`` and the exactly-once oracle must hold.
 
+:func:`run_resizes` makes resets without restarting anything, so hundreds fit in minutes:
+three peers, ``max_np`` set to 2 (the youngest is parked, a reset) and back to 3 (it is
+brought back, another reset), over and over under the same busy loops. Every member stays
+healthy throughout, so any drop, lost lease or re-registration is a false one.
+
 Used by tests/test_crash_detection.py (a few rounds) and benchmarks/bench_false_drops.py
 (the issue's 200).
 """
@@ -22,6 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peer_elastic.etcd.admin import update_config
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.view import JobView, ViewSnapshot
 from tests.helpers.procs import Cluster, PeerProc
 
 GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
@@ -37,6 +45,11 @@ class ResetReport:
     recovery_s: list[float] = field(default_factory=list)  # kill -> world of 2 seen
     exact: bool = False  # the exactly-once oracle held at the end
     notes: list[str] = field(default_factory=list)
+
+
+def _gens(p: PeerProc) -> list[int]:
+    with p.cond:
+        return [int(m.group(1)) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
 
 
 def _worlds(p: PeerProc) -> list[int]:
@@ -106,6 +119,88 @@ def run_resets(endpoint: str, job: str, resets: int, end_file: Path, hogs: int =
         return report
     finally:
         cluster.close()
+        for h in hog_procs:
+            h.kill()
+            h.wait(10)
+
+
+def _formed(size: int, after: int) -> Callable[[ViewSnapshot], bool]:
+    """A generation newer than ``after`` with ``size`` members, all of them acknowledged."""
+    def check(v: ViewSnapshot) -> bool:
+        g = v.generation
+        return g is not None and g.number > after and len(g.roster) == size \
+            and set(g.roster) <= v.ready_for(g.number)
+    return check
+
+
+def run_resizes(endpoint: str, job: str, resets: int, end_file: Path, hogs: int = 2,
+                say: Callable[[str], None] = lambda s: None) -> ResetReport:
+    """``resets`` resets by resizing (module docstring): ``max_np`` 3 -> 2 -> 3 ...; processes
+    are always stopped on the way out. ``recovery_s`` holds change -> every member acked."""
+    report = ResetReport()
+    cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2, "PEER_ELASTIC_MAX_NP": 3,
+                                        "WORKER_EPOCHS": 100000, "WORKER_SAMPLES": 480,
+                                        "WORKER_STEP_S": 0.02, "WORKER_END_FILE": end_file})
+    client = EtcdClient(endpoint)
+    view = JobView(client, job).start()
+    hog_procs = start_hogs(hogs)
+    try:
+        peers = cluster.start(3)
+        snap = view.wait_for(_formed(3, 0), 180)
+        if snap is None:
+            raise AssertionError("no world of 3:\n" + "\n".join(p.output() for p in peers))
+        members = set(snap.generation.roster)
+        for k in range(resets):
+            size = 2 if k % 2 == 0 else 3
+            t0 = time.monotonic()
+            update_config(client, job, {"max_np": size}, requested_by="false-drops")
+            snap = view.wait_for(_formed(size, snap.generation_number), 120)
+            if snap is None:
+                raise AssertionError(f"reset {k + 1}: no world of {size} in 120 s:\n"
+                                     + "\n".join(p.output()[-3000:] for p in peers))
+            n = snap.generation_number
+            # The reset is done when the new group trains: as many peers printed GEN for it
+            # (or later) as it has members.
+            deadline = time.monotonic() + 120
+            while len(behind := [p for p in peers if not any(g >= n for g in _gens(p))]) \
+                    > len(peers) - size:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"reset {k + 1}: generation {n} never trained:\n"
+                                         + "\n".join(p.output()[-3000:] for p in peers))
+                try:  # the parked peer never prints it: wait briefly on each in turn
+                    behind[k % len(behind)].wait_line("GEN", timeout=0.05,
+                                                      after=len(behind[k % len(behind)].lines))
+                except AssertionError:
+                    pass
+            report.recovery_s.append(time.monotonic() - t0)
+            report.resets += 1
+            gone = set(snap.members) ^ members
+            if gone:  # a member key changed: someone was dropped or re-registered
+                report.false_drops += len(gone)
+                report.notes.append(f"reset {k + 1}: members changed: {sorted(gone)}")
+                members = set(snap.members)
+            say(f"reset {k + 1}/{resets}: world of {size} after {report.recovery_s[-1]:.2f} s")
+        end_file.touch()
+        for p in peers:
+            code = p.wait(300)
+            if code != 0:
+                report.notes.append(f"{p.name} exited {code}")
+        for p in peers:
+            report.false_drops += len(DROPPED.findall("\n".join(p.lines)))
+        results = []
+        for p in peers:  # rank 0 prints it
+            try:
+                results.append(json.loads(p.wait_line("RESULT ", timeout=10).split(" ", 1)[1]))
+            except AssertionError:
+                continue
+        report.exact = bool(results) and all(r["exact"] and r["identical"] for r in results)
+        if not report.exact:
+            report.notes.append(f"oracle: {results or 'no RESULT line'}")
+        return report
+    finally:
+        cluster.close()
+        view.stop()
+        client.close()
         for h in hog_procs:
             h.kill()
             h.wait(10)
