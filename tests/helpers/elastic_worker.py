@@ -26,7 +26,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   callback (the README's recipe), instead of pe.DistributedOptimizer.
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
   the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
-  the epochs actually trained). Lets a test end the job as soon as its schedule is done.
+  the epochs actually trained). Only at an epoch's start: a job re-entering its training
+  function after a reset mid-epoch finishes that epoch first. Lets a test end the job as soon as its schedule is done.
 * ``WORKER_HANG_AT=<epoch>:<batch>[:<rank>]``: the training thread blocks forever at the
   start of that batch (on that rank only, if given) while the process (its coordination
   thread, its lease) lives; with ``WORKER_HANG_FLAG=path`` only the first process to get
@@ -213,7 +214,11 @@ def main() -> int:
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
-            while state.epoch < EPOCHS and not end_requested():
+            # The end is agreed only at an epoch's start: re-entered after a reset in the
+            # middle of an epoch, the job finishes that epoch first (the oracle checks whole
+            # epochs; ending mid-epoch would leave a part-trained epoch it calls wrong).
+            while state.epoch < EPOCHS and not (state.sampler.processed_count == 0
+                                                and end_requested()):
                 counter.epoch = state.epoch
                 shard = list(iter(state.sampler))
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
