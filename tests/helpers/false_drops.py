@@ -136,7 +136,8 @@ def _formed(size: int, after: int) -> Callable[[ViewSnapshot], bool]:
 def run_resizes(endpoint: str, job: str, resets: int, end_file: Path, hogs: int = 2,
                 say: Callable[[str], None] = lambda s: None) -> ResetReport:
     """``resets`` resets by resizing (module docstring): ``max_np`` 3 -> 2 -> 3 ...; processes
-    are always stopped on the way out. ``recovery_s`` holds change -> every member acked."""
+    are always stopped on the way out. ``recovery_s`` holds setting changed -> the new group
+    trains (each of its members printed its GEN line)."""
     report = ResetReport()
     cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2, "PEER_ELASTIC_MAX_NP": 3,
                                         "WORKER_EPOCHS": 100000, "WORKER_SAMPLES": 480,
