@@ -54,6 +54,7 @@ from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 from peer_elastic.torch.pending_check import PendingCheck
+from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class Peer:
         self._check_buf: torch.Tensor | None = None
         # The generation exchange a plain check issued, completed at the next check.
         self._pending = PendingCheck()
+        # Or, in a job averaging gradients with DistributedOptimizer, the same bit carried by
+        # the step's gradient all-reduce: then a check runs no collective of its own.
+        self._vote = ResetVote(self._ballot)
         self._state: Any = None  # the state given to run()
         self._synced_once = False
         self._restored = False  # since the last reset (for metrics)
@@ -159,7 +163,10 @@ class Peer:
         A plain check completes the generation exchange the previous check issued
         (:mod:`peer_elastic.torch.pending_check`) and issues the next one, so it waits on
         nobody unless a rank is behind: every rank completes the same op at the same call
-        and so decides the same there, one check after a rank first saw the change.
+        and so decides the same there, one check after a rank first saw the change. When a
+        ``DistributedOptimizer`` step ran since the last check, its gradient all-reduce
+        already carried the same bit (:mod:`peer_elastic.torch.reset_vote`): the check takes
+        that and issues nothing, so it runs no collective at all.
 
         A commit, and a plain check whose completed exchange says a reset is due, need to
         know whether some rank holds unmerged progress *now*: they run one blocking
@@ -179,21 +186,22 @@ class Peer:
             self._publish_timing()
         current = group.assignment.generation
         self._live = self._live.stepped(current)
-        coord = self.coordinator
-        snap = coord.snapshot()
+        # The vote of the optimizer steps since the last check, the same on every rank.
+        voted = self._vote.take(group)
+        if voted is False and not committing and not self._pending.pending:
+            return  # the step's gradient all-reduce said: nobody wants a reset
+        snap = self.coordinator.snapshot()
         newest = snap.generation
-        want = newest.number if newest is not None else current
-        if stop_reason(coord, group, snap, causes=RESET_NOW) is not None:
-            # Lease lost (we must not go on in this group), a fatal error, or the job ended
-            # (e.g. reset limit): everyone stops at the next check and the reset path reports it.
-            want = max(want, current + 1)
+        want = self._want(group, snap)
         # Complete the op of the previous check first (also before a commit), so every rank
         # runs the same collectives in the same order.
         with self._liveness.collective():  # waiting here is waiting on the others
             previous = self._pending.complete(group)
         reset_due = previous is not None and previous.newest_generation > current
+        reset_due = reset_due or bool(voted)
         if not committing and not reset_due:
-            self._pending.issue(group, want, self.device)
+            if voted is None:  # no step carried the bit: exchange it ourselves
+                self._pending.issue(group, want, self.device)
             return
         local = state is not None and state.has_local_progress()
         buf = self._check_buf
@@ -216,6 +224,25 @@ class Peer:
             removals_only = newest is not None and not newest.joined
             raise HostsUpdatedInterrupt(skip_sync=removals_only)
 
+    def _want(self, group: FormedGroup, snap: Any) -> int:
+        """The generation this rank asks the group to move to (the current one: none)."""
+        current = group.assignment.generation
+        newest = snap.generation
+        want = newest.number if newest is not None else current
+        if stop_reason(self.coordinator, group, snap, causes=RESET_NOW) is not None:
+            # Lease lost (we must not go on in this group), a fatal error, or the job ended
+            # (e.g. reset limit): everyone stops at the next check and the reset path reports it.
+            want = max(want, current + 1)
+        return want
+
+    def _ballot(self) -> Ballot | None:
+        """This rank's reset vote for an optimizer step's gradient all-reduce."""
+        group = self._group
+        if group is None:
+            return None
+        want = self._want(group, self.coordinator.snapshot())
+        return Ballot(group, want > group.assignment.generation)
+
     def run(self, func: Callable[..., R], state: Any, *args: Any, **kwargs: Any) -> R:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.
 
@@ -235,7 +262,9 @@ class Peer:
             while True:
                 try:
                     self._reset(state, after)
-                    with self._liveness.training():  # only time in here can be a hang
+                    # only time in training() can be a hang; voting(): optimizer steps carry
+                    # the reset vote (peer_elastic.torch.reset_vote)
+                    with self._liveness.training(), voting(self._vote):
                         result = func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt as exc:
                     log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
@@ -275,6 +304,7 @@ class Peer:
         first = self._group is None and after == 0
         restored, incarnation = self._restored, self._incarnation  # how we got here, for metrics
         self._pending.drop()  # the old group's op dies with it, never waited on in the next
+        self._vote.clear()
         while True:
             try:
                 self._group = self.groups.form(after)

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from peer_elastic.torch.collectives import plan_buckets
+from peer_elastic.torch.reset_vote import current_vote
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -45,13 +46,28 @@ class _Averaging:
         grads = [p.grad for p in params]
         # The same bucket plan state sync uses: by dtype and device, in parameter order, so
         # every rank reduces the same buckets.
-        for bucket in plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes):
+        buckets = plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes)
+        # The run loop's reset vote rides on the last bucket of several gradients (always
+        # flattened, on every rank alike), so a check after this step needs no collective
+        # of its own (peer_elastic.torch.reset_vote).
+        vote = current_vote()
+        ballot = vote.cast() if vote is not None else None
+        rider = max((i for i, b in enumerate(buckets) if len(b) > 1), default=None)
+        for i, bucket in enumerate(buckets):
             if len(bucket) == 1 and bucket[0].is_contiguous():
                 dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM)  # large: in place
                 bucket[0].div_(world)
                 continue
-            flat = _flatten_dense_tensors(bucket)
+            parts = [g.reshape(-1) for g in bucket]
+            riding = ballot is not None and i == rider
+            if riding:
+                parts.append(torch.full((1,), float(ballot.wants_reset),
+                                        dtype=bucket[0].dtype, device=bucket[0].device))
+            flat = torch.cat(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            if riding:
+                vote.counted(ballot, flat[-1:].clone())  # before the division: a count
+                flat = flat[:-1]
             flat.div_(world)
             for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 g.copy_(avg)

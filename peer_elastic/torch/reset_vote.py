@@ -1,0 +1,97 @@
+"""A reset vote that rides on :func:`peer_elastic.DistributedOptimizer`'s gradient all-reduce.
+
+``check_host_updates()`` must make every rank raise at the same call, which needs one
+agreed bit per check: "does some rank know of a newer generation (or must stop)?". On its
+own that bit costs a collective per check (:mod:`peer_elastic.torch.pending_check`), and on
+a busy machine that collective is most of a check's cost and several percent of a small
+step. A job whose gradients are averaged by ``DistributedOptimizer`` already runs a SUM
+all-reduce every step on every rank, so the bit rides along for free: each rank appends one
+element to the last flattened gradient bucket, 1 when it wants a reset and 0 otherwise, and
+the summed element is every rank's answer. The next check takes it instead of running its
+own exchange.
+
+Why it is agreed: every rank makes the same optimizer steps and the same checks in the same
+order (both are collective), plans the same buckets (the plan depends only on sizes, dtypes
+and devices), and so every rank either has a vote of its current group to take at a check
+or has none, and when it has one, it is the same number everywhere. A vote is dropped
+unread when it belongs to another group (a reset happened since it was cast).
+
+One job: carry the vote from the optimizer to the check. The run loop (``Peer.run``) makes
+one :class:`ResetVote` current while the training function runs; outside it, the optimizer
+averages gradients alone. The counted element stays a tensor until a check reads it, so a
+CUDA step is not synchronized by the vote (the check reads it with ``.item()``, as the
+exchange it replaces does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Ballot", "ResetVote", "current_vote", "voting"]
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """What this rank puts into the gradient all-reduce: its group and its wish."""
+
+    group: object  # the FormedGroup the optimizer step runs in (compared by identity)
+    wants_reset: bool
+
+
+@dataclass(frozen=True)
+class _Counted:
+    group: object
+    total: torch.Tensor  # one element: the number of ranks that wanted a reset (SUM)
+
+
+class ResetVote:
+    """The latest counted vote of the current group, until a check takes it."""
+
+    def __init__(self, ballot: Callable[[], Ballot | None]) -> None:
+        # Returns None while this peer is in no group (nothing to vote in).
+        self._ballot = ballot
+        self._counted: _Counted | None = None
+
+    def cast(self) -> Ballot | None:
+        """This rank's ballot for the all-reduce about to run, or None (no group)."""
+        return self._ballot()
+
+    def counted(self, ballot: Ballot, total: torch.Tensor) -> None:
+        """The all-reduce of ``ballot``'s step completed; ``total`` is the summed element
+        (a tensor of its own, not a view into the gradient buffer)."""
+        self._counted = _Counted(ballot.group, total)
+
+    def take(self, group: object) -> bool | None:
+        """Whether some rank of ``group`` wanted a reset at the last optimizer step since the
+        previous take; None when no step voted in ``group`` since then."""
+        counted, self._counted = self._counted, None
+        if counted is None or counted.group is not group:
+            return None
+        return bool(counted.total.item() > 0)
+
+    def clear(self) -> None:
+        self._counted = None
+
+
+_current: ResetVote | None = None
+
+
+def current_vote() -> ResetVote | None:
+    """The vote of the peer whose training function runs in this process, if any."""
+    return _current
+
+
+@contextmanager
+def voting(vote: ResetVote) -> Iterator[ResetVote]:
+    """Make ``vote`` current while the training function runs (one peer runs at a time)."""
+    global _current
+    previous, _current = _current, vote
+    try:
+        yield vote
+    finally:
+        _current = previous
+        vote.clear()

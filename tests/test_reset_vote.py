@@ -1,0 +1,120 @@
+"""The reset vote riding on DistributedOptimizer's gradient all-reduce
+(peer_elastic.torch.reset_vote): unit tests of the carrier, then real gloo groups.
+
+Every rank must take the same answer at the same check (so all raise together), the vote
+must not change the averaged gradients by a bit, and where no bucket can carry it (only
+single-tensor buckets), no rank has a vote and the check falls back to its own exchange.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import peer_elastic as pe
+from peer_elastic.torch.reset_vote import Ballot, ResetVote, current_vote, voting
+from tests.helpers.world import run_world
+
+STEPS = 6
+
+
+def test_take_returns_the_latest_count_of_the_group_once() -> None:
+    group = object()
+    vote = ResetVote(lambda: Ballot(group, False))
+    assert vote.take(group) is None  # nothing counted yet
+    ballot = vote.cast()
+    assert ballot == Ballot(group, False)
+    vote.counted(ballot, torch.zeros(1))
+    vote.counted(ballot, torch.full((1,), 2.0))  # the latest step's count wins
+    assert vote.take(group) is True
+    assert vote.take(group) is None  # taken: the next check needs a new step
+
+
+def test_a_vote_of_another_group_is_dropped_unread() -> None:
+    old, new = object(), object()
+    vote = ResetVote(lambda: Ballot(old, True))
+    vote.counted(vote.cast(), torch.ones(1))
+    assert vote.take(new) is None
+    assert vote.take(old) is None  # dropped, not kept for later
+
+
+def test_voting_makes_the_vote_current_only_inside() -> None:
+    vote = ResetVote(lambda: None)
+    assert current_vote() is None
+    with voting(vote):
+        assert current_vote() is vote
+        vote.counted(Ballot(1, True), torch.ones(1))
+    assert current_vote() is None
+    assert vote.take(1) is None  # cleared on the way out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # same initial weights everywhere
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _vote_worker(rank: int, world: int, out: Path) -> None:
+    """Rank world-1 wants a reset from step 3 on; every rank records what the check after
+    each step would take, and the parameters after each step."""
+    group = object()
+    model = _model()
+    opt = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    step = 0
+    vote = ResetVote(lambda: Ballot(group, rank == world - 1 and step >= 3))
+    taken, params = [], []
+    with voting(vote):
+        for step in range(STEPS):
+            opt.zero_grad()
+            model(torch.full((1, 3), float(rank + step))).sum().backward()
+            opt.step()
+            taken.append(vote.take(group))
+            params.append([p.detach().flatten().tolist() for p in model.parameters()])
+    (out / f"{rank}.json").write_text(json.dumps({"taken": taken, "params": params}))
+
+
+def _plain_worker(rank: int, world: int, out: Path) -> None:
+    """The same steps with no vote current: the reference for the parameters."""
+    model = _model()
+    opt = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(torch.full((1, 3), float(rank + step))).sum().backward()
+        opt.step()
+        params.append([p.detach().flatten().tolist() for p in model.parameters()])
+    (out / f"plain-{rank}.json").write_text(json.dumps(params))
+
+
+def test_every_rank_takes_the_same_vote_and_gradients_are_unchanged(tmp_path: Path) -> None:
+    world = 3
+    run_world(_vote_worker, world, tmp_path)
+    run_world(_plain_worker, world, tmp_path)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    expected = [step >= 3 for step in range(STEPS)]  # at the step it was cast, on all ranks
+    assert all(r["taken"] == expected for r in results), [r["taken"] for r in results]
+    plain = json.loads((tmp_path / "plain-0.json").read_text())
+    for r in results:
+        assert r["params"] == plain  # bit-identical to averaging without the vote
+
+
+def _single_bucket_worker(rank: int, world: int, out: Path) -> None:
+    """One parameter only: its bucket is reduced in place, so no step can carry a vote."""
+    group = object()
+    p = nn.Parameter(torch.ones(4))
+    opt = pe.DistributedOptimizer(torch.optim.SGD([p], lr=1.0))
+    vote = ResetVote(lambda: Ballot(group, True))
+    with voting(vote):
+        (p * (rank + 1)).sum().backward()
+        opt.step()
+        taken = vote.take(group)
+    (out / f"{rank}.json").write_text(json.dumps({"taken": taken, "p": p.tolist()}))
+
+
+def test_no_carrier_bucket_means_no_vote_on_any_rank(tmp_path: Path) -> None:
+    run_world(_single_bucket_worker, 2, tmp_path)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert [r["taken"] for r in results] == [None, None]
+    assert results[0]["p"] == results[1]["p"] == [-0.5] * 4  # 1 - (1 + 2) / 2
