@@ -118,3 +118,21 @@ def test_no_carrier_bucket_means_no_vote_on_any_rank(tmp_path: Path) -> None:
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [r["taken"] for r in results] == [None, None]
     assert results[0]["p"] == results[1]["p"] == [-0.5] * 4  # 1 - (1 + 2) / 2
+
+
+def test_a_check_after_a_distributed_optimizer_step_runs_no_collective(
+        etcd: str, unique_job: str) -> None:
+    """Real etcd, two real peers: 30 steps, a check after each, 30 all-reduces in all (the
+    optimizer's); a hand-written exchange per check would make it 60."""
+    from tests.helpers.procs import Cluster
+
+    cluster = Cluster(etcd, unique_job, PEER_ELASTIC_MIN_NP=2, PEER_ELASTIC_MAX_NP=2,
+                      WORKER_STEPS=30)
+    try:
+        peers = cluster.start(2, module="tests.helpers.vote_worker")
+        for p in peers:
+            line = p.wait_line("COUNTED", timeout=120)
+            assert line.split()[1:] == ["30", "30"], line
+            assert p.wait(timeout=60) == 0
+    finally:
+        cluster.close()

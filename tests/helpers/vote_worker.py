@@ -1,0 +1,52 @@
+"""A peer training with pe.DistributedOptimizer and a check after every step, counting the
+all-reduces it runs (tests/test_reset_vote.py): the check must add none.
+
+Prints ``COUNTED <all-reduces> <steps>`` on every rank at the end. WORKER_STEPS: steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import peer_elastic as pe
+
+STEPS = int(os.environ.get("WORKER_STEPS", "30"))
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    real_all_reduce = dist.all_reduce
+    calls = [0]
+
+    def counting_all_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    with pe.join() as peer:
+        state = pe.TorchState(model=model, optimizer=optimizer, step=0)
+
+        def train(state: pe.TorchState) -> tuple[int, int]:
+            dist.all_reduce = counting_all_reduce
+            try:
+                for _ in range(STEPS):
+                    optimizer.zero_grad()
+                    model(torch.randn(2, 4)).sum().backward()
+                    optimizer.step()
+                    state.check_host_updates()
+            finally:
+                dist.all_reduce = real_all_reduce
+            return calls[0], STEPS
+
+        reduces, steps = peer.run(train, state)
+    print("COUNTED", reduces, steps, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
