@@ -115,3 +115,18 @@ class Cluster:
     def close(self) -> None:
         for p in self.peers:
             p.kill()
+        self._keep_logs()
+
+    def _keep_logs(self) -> None:
+        """With ``PEER_ELASTIC_TEST_LOG_DIR`` set, every peer's whole output is written there
+        (``<job>.<peer>.log``): a failure shows only the peer that failed, and often the
+        cause is in another one's log (run with ``PEER_ELASTIC_LOG_LEVEL=INFO`` too)."""
+        where = os.environ.get("PEER_ELASTIC_TEST_LOG_DIR")
+        if not where:
+            return
+        Path(where).mkdir(parents=True, exist_ok=True)
+        job = self.env["PEER_ELASTIC_JOB"]
+        for p in self.peers:
+            with p.cond:
+                text = "\n".join(p.lines)
+            (Path(where) / f"{job}.{p.name}.log").write_text(text + "\n")
