@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
-from tests.helpers.procs import Cluster, results
+from tests.helpers.procs import Cluster, PeerProc, results
 
 
 @pytest.fixture
@@ -164,6 +165,28 @@ def test_watchdog_spares_a_group_the_training_thread_leaves_within_the_grace() -
 
 
 # -- the real thing ------------------------------------------------------------------------
+
+
+def test_leaving_a_group_a_ddp_wrapper_keeps_alive_fails_the_peer_waiting_on_it(
+        tmp_path) -> None:
+    # Real gloo, two processes. Rank 0 built DDP on the group (its reducer holds the group,
+    # in a reference cycle the collector has not freed), then leaves the group and lives on;
+    # rank 1 waits on it in a collective whose timeout is 60 s. The connections the group
+    # opened are shut down on leaving, so rank 1 fails at once, as when no DDP holds it.
+    store = tmp_path / "store"
+    ranks = [PeerProc([sys.executable, "-m", "tests.helpers.ddp_group_exit", str(r), str(store)],
+                      dict(os.environ), f"rank{r}") for r in (0, 1)]
+    try:
+        left = ranks[0].wait_line("LEFT_OPEN", timeout=120)
+        assert int(left.split()[1]) >= 1, left  # without the cut they would stay open
+        failed = ranks[1].wait_line("FAILED", timeout=120)
+        took = float(failed.split()[1])
+        assert took < 20, failed  # far below the 60 s collective timeout
+        assert "closed" in failed.lower() or "reset" in failed.lower(), failed
+    finally:
+        for p in ranks:
+            p.kill()
+
 
 SETTINGS = {
     "PEER_ELASTIC_LEASE_TTL": 3,

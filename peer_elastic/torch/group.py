@@ -64,6 +64,25 @@ def is_collective_failure(exc: BaseException) -> bool:
     return False
 
 
+def destroy_default_group(connections: GroupConnections) -> int:
+    """Destroy torch's default process group and shut down what it leaves open.
+
+    ``destroy_process_group`` closes gloo's connections only when the group object dies,
+    and user code often keeps it alive: a DDP wrapper (rebuilt in a reset callback, the
+    README's recipe) holds its group in its reducer, and DDP objects live in reference
+    cycles until the garbage collector runs. A peer blocked in that group's collective
+    waiting on this one would then wait for the collective timeout instead of failing at
+    once, as it does when this process's end of the connection closes. So every connection
+    the group opened (``connections``, captured at init) that is still open afterwards is
+    shut down; returns how many were.
+    """
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a broken group may complain while closing
+        log.debug("destroying process group: %s", exc)
+    return connections.cut()
+
+
 @dataclass(frozen=True)
 class FormedGroup:
     """The process group of one generation, as this peer sees it."""
@@ -116,14 +135,15 @@ class GroupManager:
         """Tear down the current group (if any). Safe after a failed collective or init."""
         with self._lock:
             had_group, self.current = self.current is not None, None
-            self._connections = GroupConnections()
+            connections, self._connections = self._connections, GroupConnections()
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a broken group may complain while closing
-                log.debug("destroying process group: %s", exc)
+            left_open = destroy_default_group(connections)
+            if left_open:
+                log.info("destroyed the process group; %d of its connections were still "
+                         "open (another object holds the group, e.g. a DDP wrapper) and "
+                         "were shut down", left_open)
         else:
             # A failed init_process_group leaves torch's group counter advanced, and the
             # next rendezvous of this process would then use other keys than its peers
