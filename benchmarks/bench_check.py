@@ -36,7 +36,9 @@ no longer hot, which is what a training loop sees);
   round (the same seed on every rank), so the load's drift hits them alike. Their overhead
   is the median over rounds of each step against the same round's plain step (paired: a
   stall of the oversubscribed machine lands on whichever step runs, and would swing a
-  mean by more than the 1 % target); the mean is reported too, and both again for the CPU
+  mean by more than the 1 % target), with a 95 % bootstrap interval over rounds: the
+  target counts as met only when the whole interval lies below it, as missed when it lies
+  above, and as not resolved otherwise; the mean is reported too, and both again for the CPU
   time the process spent per step (``time.process_time_ns``: every thread, gloo's
   included; without the waits on other ranks). The hand-written
   check leaves its exchange in flight into the next step, so it and the commit run in
@@ -78,7 +80,9 @@ HERE = Path(__file__).resolve().parent
 TARGET_US = 200.0
 OVERHEAD_TARGET_PCT = 1.0
 BLOCKS = 8
-WORKER_TIMEOUT_S = 300
+WORKER_TIMEOUT_S = 300  # plus STEP_TIMEOUT_S per steady-state round
+STEP_TIMEOUT_S = 0.5
+BOOTSTRAP_SAMPLES = 1000
 
 
 def pct(values: list[float], q: float) -> float:
@@ -91,6 +95,37 @@ def stats_us(ns: list[int]) -> dict[str, float]:
     us = [v / 1000 for v in ns]
     return {"median_us": statistics.median(us), "p90_us": pct(us, 0.9),
             "p99_us": pct(us, 0.99), "min_us": min(us), "n": len(us)}
+
+
+def paired_overhead(ranks: list[dict[str, Any]], kind: str, base: str,
+                    samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float, float]:
+    """Overhead (%) of ``kind`` against ``base``, paired by round: the median over rounds
+    (every rank's) of ``kind / base`` - 1, with a 95 % bootstrap interval.
+
+    The bootstrap resamples rounds, each with all ranks' ratios of that round (the ranks of
+    one round are not independent: they wait on each other). The interval, not the point,
+    says whether a 1 % target is met on a machine this noisy.
+    """
+    by_round = zip(zip(*(r[base] for r in ranks), strict=True),
+                   zip(*(r[kind] for r in ranks), strict=True), strict=True)
+    rounds = [[o / b for b, o in zip(bases, others, strict=True) if b > 0]
+              for bases, others in by_round]
+    point = statistics.median(x for rnd in rounds for x in rnd)
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(x for _ in range(len(rounds)) for x in rounds[rng.randrange(len(rounds))])
+        for _ in range(samples))
+    lo, hi = medians[int(0.025 * samples)], medians[int(0.975 * samples) - 1]
+    return 100 * (point - 1), 100 * (lo - 1), 100 * (hi - 1)
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """A target checked against a confidence interval: met, missed, or not resolved."""
+    if high < target:
+        return "met"
+    if low >= target:
+        return "MISSED"
+    return "not resolved (the interval straddles the target)"
 
 
 class _DoneWork:
@@ -340,7 +375,7 @@ def run_world(endpoint: str, world: int, calls: int, commits: int,
     outputs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
+            out, err = p.communicate(timeout=WORKER_TIMEOUT_S + STEP_TIMEOUT_S * steps)
             if p.returncode != 0:
                 raise RuntimeError(f"a peer exited {p.returncode}:\n{err[-3000:]}")
             outputs.append(out)
@@ -383,20 +418,23 @@ def run_world(endpoint: str, world: int, calls: int, commits: int,
     # median over rounds of each variant's step against the same round's plain step. Robust
     # to the stalls of an oversubscribed machine, which land on whichever step is running.
     for kind in ("plain_again", "opt", "opt_check"):
-        ratios = [other / plain for r in ranks
-                  for plain, other in zip(r["step_plain_ns"], r[f"step_{kind}_ns"], strict=True)]
-        res[f"{kind}_overhead_paired_median_pct"] = 100 * (statistics.median(ratios) - 1)
+        wall = [{"base": r["step_plain_ns"], "kind": r[f"step_{kind}_ns"]} for r in ranks]
+        point, lo, hi = paired_overhead(wall, "kind", "base")
+        res[f"{kind}_overhead_paired_median_pct"] = point
+        res[f"{kind}_overhead_paired_ci95_pct"] = [lo, hi]
         # The same for the CPU time the process spent per step (all its threads): what the
         # step costs the machine, without the waits on other ranks and the scheduler.
-        cpu_ratios = [other / plain for r in ranks
-                      for plain, other in zip(r["cpu_plain_ns"], r[f"cpu_{kind}_ns"], strict=True)
-                      if plain > 0]
-        res[f"{kind}_cpu_overhead_paired_median_pct"] = 100 * (statistics.median(cpu_ratios) - 1)
+        cpu = [{"base": r["cpu_plain_ns"], "kind": r[f"cpu_{kind}_ns"]} for r in ranks]
+        point, lo, hi = paired_overhead(cpu, "kind", "base")
+        res[f"{kind}_cpu_overhead_paired_median_pct"] = point
+        res[f"{kind}_cpu_overhead_paired_ci95_pct"] = [lo, hi]
         res[f"{kind}_cpu_overhead_mean_pct"] = 100 * (
             sum(v for r in ranks for v in r[f"cpu_{kind}_ns"])
             / sum(v for r in ranks for v in r["cpu_plain_ns"]) - 1)
-    res["meets_overhead_target"] = (res["opt_check_overhead_paired_median_pct"]
-                                    < OVERHEAD_TARGET_PCT)
+    # Met only when the whole 95 % interval lies below the target.
+    res["overhead_target"] = verdict(*res["opt_check_overhead_paired_ci95_pct"],
+                                     OVERHEAD_TARGET_PCT)
+    res["meets_overhead_target"] = res["overhead_target"] == "met"
     res["hand_written_meets_overhead_target"] = (res["check_overhead_mean_pct"]
                                                  < OVERHEAD_TARGET_PCT)
     return res
@@ -480,14 +518,16 @@ def main(argv: list[str] | None = None) -> int:
                             ("DistributedOptimizer, no check", "opt"),
                             ("plain again (A/A: the noise floor)", "plain_again")):
             paired = r[f"{kind}_overhead_paired_median_pct"]
-            verdict = ""
+            lo, hi = r[f"{kind}_overhead_paired_ci95_pct"]
+            clo, chi = r[f"{kind}_cpu_overhead_paired_ci95_pct"]
+            target = ""
             if kind == "opt_check":
-                verdict = (f"; target < {OVERHEAD_TARGET_PCT:.0f} %: "
-                           f"{'met' if r['meets_overhead_target'] else 'MISSED'}")
+                target = f"; target < {OVERHEAD_TARGET_PCT:.0f} %: {r['overhead_target']}"
             print(f"    {label}: median {r[f'step_{kind}']['median_us']:.0f} "
-                  f"({paired:+.2f} % paired median{verdict}; "
+                  f"({paired:+.2f} % paired median, 95 % CI [{lo:+.2f}, {hi:+.2f}]{target}; "
                   f"{r[f'{kind}_overhead_mean_pct']:+.2f} % mean) | CPU per step "
-                  f"{r[f'{kind}_cpu_overhead_paired_median_pct']:+.2f} % paired median, "
+                  f"{r[f'{kind}_cpu_overhead_paired_median_pct']:+.2f} % paired median "
+                  f"[{clo:+.2f}, {chi:+.2f}], "
                   f"{r[f'{kind}_cpu_overhead_mean_pct']:+.2f} % total")
         print("    in blocks against plain blocks:")
         for label, kind in (("hand-written + check", "check"),
