@@ -98,17 +98,17 @@ def stats_us(ns: list[int]) -> dict[str, float]:
             "p99_us": pct(us, 0.99), "min_us": min(us), "n": len(us)}
 
 
-def paired_overhead(ranks: list[dict[str, Any]], kind: str, base: str,
+def paired_overhead(base: list[list[int]], other: list[list[int]],
                     samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float, float]:
-    """Overhead (%) of ``kind`` against ``base``, paired by round: the median over rounds
-    (every rank's) of ``kind / base`` - 1, with a 95 % bootstrap interval.
+    """Overhead (%) of ``other`` against ``base`` (per rank, one time per round), paired by
+    round: the median over rounds (every rank's) of ``other / base`` - 1, with a 95 %
+    bootstrap interval.
 
     The bootstrap resamples rounds, each with all ranks' ratios of that round (the ranks of
     one round are not independent: they wait on each other). The interval, not the point,
     says whether a 1 % target is met on a machine this noisy.
     """
-    by_round = zip(zip(*(r[base] for r in ranks), strict=True),
-                   zip(*(r[kind] for r in ranks), strict=True), strict=True)
+    by_round = zip(zip(*base, strict=True), zip(*other, strict=True), strict=True)
     rounds = [[o / b for b, o in zip(bases, others, strict=True) if b > 0]
               for bases, others in by_round]
     point = statistics.median(x for rnd in rounds for x in rnd)
@@ -423,14 +423,14 @@ def run_world(endpoint: str, world: int, calls: int, commits: int,
     # median over rounds of each variant's step against the same round's plain step. Robust
     # to the stalls of an oversubscribed machine, which land on whichever step is running.
     for kind in ("plain_again", "opt", "opt_check"):
-        wall = [{"base": r["step_plain_ns"], "kind": r[f"step_{kind}_ns"]} for r in ranks]
-        point, lo, hi = paired_overhead(wall, "kind", "base")
+        point, lo, hi = paired_overhead([r["step_plain_ns"] for r in ranks],
+                                        [r[f"step_{kind}_ns"] for r in ranks])
         res[f"{kind}_overhead_paired_median_pct"] = point
         res[f"{kind}_overhead_paired_ci95_pct"] = [lo, hi]
         # The same for the CPU time the process spent per step (all its threads): what the
         # step costs the machine, without the waits on other ranks and the scheduler.
-        cpu = [{"base": r["cpu_plain_ns"], "kind": r[f"cpu_{kind}_ns"]} for r in ranks]
-        point, lo, hi = paired_overhead(cpu, "kind", "base")
+        point, lo, hi = paired_overhead([r["cpu_plain_ns"] for r in ranks],
+                                        [r[f"cpu_{kind}_ns"] for r in ranks])
         res[f"{kind}_cpu_overhead_paired_median_pct"] = point
         res[f"{kind}_cpu_overhead_paired_ci95_pct"] = [lo, hi]
         res[f"{kind}_cpu_overhead_mean_pct"] = 100 * (
