@@ -40,7 +40,7 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
     assert len(plan.events) >= N_EVENTS
     live, mx, mn, paused = plan.peers, plan.max_np, plan.min_np, False
     for e in plan.events:
-        if e.kind in ("kill", "term", "hang", "stop"):
+        if e.kind in ("kill", "term", "drain", "hang", "stop"):
             assert not paused and min(live - 1, mx) >= mn, (seed, e)
             live -= e.kind != "stop"
         elif e.kind == "add":
@@ -72,7 +72,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
                          f"ddp={plan.pattern.ddp}"])
-    want = {"kill", "kill:leader", "kill:", "term", "add", "set_max", "set_min", "pause",
+    want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all"}
     if hang_detection() is not None:
         want.add("hang")

@@ -13,6 +13,8 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
 * ``kill``          SIGKILL a peer; ``target="leader"``: rank 0 of the newest generation,
                     ``"other"``: a roster member that is not rank 0.
 * ``term``          SIGTERM a peer (graceful leave; exits 0); ``target`` as for kill.
+* ``drain``         ``peer-elastic drain <member id>`` of a running peer (roster or standby):
+                    the same graceful leave asked for from outside; it must exit 0.
 * ``train``         no disturbance: wait for ``value`` more STEP positions (scripted plans).
 * ``add``           start a new peer (joins, or waits as a standby).
 * ``set_max``       ``peer-elastic set max_np=<value>``: down parks roster members as
@@ -135,7 +137,7 @@ class Plan:
 
 
 # Weights of the kinds the generator draws (where the model allows them).
-WEIGHTS = {"kill": 3, "kill_leader": 2, "term": 2, "add": 3, "set_max": 2, "set_min": 1,
+WEIGHTS = {"kill": 3, "kill_leader": 2, "term": 2, "drain": 1, "add": 3, "set_max": 2, "set_min": 1,
            "pause": 1, "stop_short": 2, "stop": 1, "etcd_member": 1, "etcd_all": 1, "hang": 1}
 PAUSED_KINDS = ("add", "stop_short", "etcd_member", "resume")
 
@@ -146,7 +148,7 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     settings back at ``min_np``/``max_np`` and the roster not paused.
 
     The model: ``live`` running peers (roster and standbys), ``mx``/``mn`` the current
-    max_np/min_np. A departure (kill, term, hang), a long stop (which lasts one event) or a
+    max_np/min_np. A departure (kill, term, drain, hang), a long stop (which lasts one event) or a
     ``set`` never takes the roster, ``min(live, mx)``, below ``mn``; an add never makes
     ``live`` exceed ``peers``. While paused only adds, short stops and etcd member restarts
     happen (then ``resume``).
@@ -182,7 +184,7 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
             kind = rng.choice(allowed)
         else:
             allowed = {k: w for k, w in WEIGHTS.items() if (
-                (k in ("kill", "kill_leader", "term", "stop") and can_lose_one())
+                (k in ("kill", "kill_leader", "term", "drain", "stop") and can_lose_one())
                 or (k == "hang" and hang and can_lose_one())
                 or (k == "add" and live < peers)
                 or (k == "set_max" and (mx != max_np or max(mn, 2) < mx))
@@ -192,7 +194,7 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
         if kind in ("kill", "kill_leader"):
             emit("kill", target="leader" if kind == "kill_leader" else "")
             live -= 1
-        elif kind in ("term", "hang"):
+        elif kind in ("term", "drain", "hang"):
             emit(kind)
             live -= 1
         elif kind == "add":
@@ -364,6 +366,17 @@ class ScheduleRunner(ChaosRunner):
             self.wait_progress(ev.describe(), above_gen=g0)
         else:
             self.wait_progress(ev.describe())
+
+    def _do_drain(self, ev: Event, a: Applied) -> None:
+        p, in_roster = self._pick(ev, a)
+        self.wait_for(f"{p.name} to register", lambda: bool(p.members), timeout=120, peers=[p])
+        g0 = self.max_gen
+        p.state = "leaving"
+        a.detail = self.cli("drain", p.members[-1])  # its current registration
+        self.wait_for(f"{p.name} to leave on drain",
+                      lambda: p.proc.proc.poll() is not None, timeout=90, peers=[p])
+        self.check()  # asserts its exit code 0
+        self._settle_after_departure(ev, a, g0, in_roster)
 
     def _do_stop_short(self, ev: Event, a: Applied) -> None:
         self.wait_for("a peer to stop", lambda: len(self.candidates()) >= 1, timeout=120)
