@@ -22,9 +22,15 @@ _TAG_TUPLE, _TAG_BYTES, _TAG_DICT = "t", "b", "d"
 _PLAIN_TYPES = "None, bool, int, float, str, bytes, and lists/tuples/dicts of those"
 
 
-def _encode(value: Any, path: str) -> Any:
+class _Unsendable(Exception):
+    """A value ``_encode`` cannot send (its path is found afterwards, see ``_unsendable``)."""
+
+
+def _encode(value: Any) -> Any:
     """One value to a JSON-able tree. Containers become tagged objects so that tuples, bytes
-    and non-string dict keys survive; JSON objects only ever appear as tags."""
+    and non-string dict keys survive; JSON objects only ever appear as tags. Raises
+    ``_Unsendable`` on a type it cannot send. (No path is built on the way down: a sync
+    encodes every optimizer entry, and naming each one cost more than encoding it.)"""
     if value is None:
         return None
     if isinstance(value, str):
@@ -38,16 +44,38 @@ def _encode(value: Any, path: str) -> Any:
     if isinstance(value, bytes):
         return {_TAG_BYTES: base64.b64encode(value).decode("ascii")}
     if type(value) is list:
-        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_encode(v) for v in value]
     if type(value) is tuple:
-        return {_TAG_TUPLE: [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        return {_TAG_TUPLE: [_encode(v) for v in value]}
     if type(value) is dict:
-        return {
-            _TAG_DICT: [
-                [_encode(k, f"{path} key"), _encode(v, f"{path}[{k!r}]")] for k, v in value.items()
-            ]
-        }
-    raise TypeError(
+        return {_TAG_DICT: [[_encode(k), _encode(v)] for k, v in value.items()]}
+    raise _Unsendable
+
+
+def _unsendable(value: Any, path: str) -> tuple[str, Any] | None:
+    """The path and value of the first part of ``value`` that ``_encode`` refuses, in the
+    order ``_encode`` visits them, or None."""
+    if type(value) in (list, tuple):
+        parts = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif type(value) is dict:
+        parts = [p for k, v in value.items() for p in ((f"{path} key", k), (f"{path}[{k!r}]", v))]
+    else:
+        try:
+            _encode(value)
+        except _Unsendable:
+            return path, value
+        return None
+    for sub_path, sub in parts:
+        found = _unsendable(sub, sub_path)
+        if found is not None:
+            return found
+    return None
+
+
+def _refusal(value: Any, path: str) -> TypeError:
+    found = _unsendable(value, path) or (path, value)
+    path, value = found
+    return TypeError(
         f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which sync() cannot "
         f"send without pickle. Keep plain values ({_PLAIN_TYPES}) in the state, or register a "
         f"handler for this type with peer_elastic.register_handler(type, factory) and "
@@ -77,7 +105,12 @@ def _decode(obj: Any) -> Any:
 
 def encode_values(values: Mapping[str, Any], where: str = "state") -> bytes:
     """Encode named plain values to bytes (UTF-8 JSON). TypeError names the offending path."""
-    tree = {name: _encode(value, f"{where}.{name}") for name, value in values.items()}
+    tree = {}
+    for name, value in values.items():
+        try:
+            tree[name] = _encode(value)
+        except _Unsendable:
+            raise _refusal(value, f"{where}.{name}") from None
     return json.dumps(tree, separators=(",", ":"), allow_nan=True).encode("utf-8")
 
 

@@ -289,9 +289,10 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """The sync source's state on every rank, in as few collectives as the handlers
-        allow: one all-reduce that checks the layout, one message with every plain part
-        (the handlers' descriptions and the plain values), one pipeline of buckets with every
-        describable handler's tensors; then each other handler's own ``sync()``."""
+        allow: one all-reduce that checks the layout and carries every plain part (the
+        handlers' descriptions and the plain values; a broadcast of the rest when they
+        exceed 16 KiB), one pipeline of buckets with every describable handler's tensors;
+        then each other handler's own ``sync()``."""
         if world_size() <= 1:
             super().sync()  # still validates that plain values are sendable
             return

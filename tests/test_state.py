@@ -25,7 +25,13 @@ from peer_elastic.handlers import (
 )
 from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import ObjectState, State, TorchState
-from peer_elastic.torch.collectives import broadcast_plain, broadcast_tensors
+from peer_elastic.torch.collectives import (
+    broadcast_plain,
+    broadcast_tensors,
+    broadcast_validated,
+    halves,
+    syncing_from,
+)
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -315,6 +321,8 @@ def test_codec_turns_numpy_scalars_into_builtins() -> None:
     [
         (object(), "ObjectState.cfg"),
         ({"a": [1, {2}]}, "ObjectState.cfg['a'][1]"),
+        ((1, 2, {3}), "ObjectState.cfg[2] is a builtins.set"),
+        ({(1, frozenset()): 1}, "ObjectState.cfg key[1] is a builtins.frozenset"),
         (np.zeros(3), "ObjectState.cfg"),
         (torch.zeros(1), "ObjectState.cfg"),
     ],
@@ -458,6 +466,13 @@ def _dump(state: TorchState) -> dict[str, Any]:
     )
 
 
+_PAYLOAD_LENGTHS = (0, 1, 7, 8, 9, 300)
+
+
+def _payload(rank: int, n: int) -> bytes:
+    return bytes((rank * 37 + i * 11 + 200) % 256 for i in range(n))
+
+
 def _sync_worker(rank: int, world: int, outdir: Path) -> None:
     out: dict[str, Any] = {}
     state = _build_state(rank)
@@ -469,7 +484,7 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
     out["trained"] = _dump(state)
 
     # Bucketing edge cases: mixed dtypes, a tensor bigger than a bucket, a non-contiguous view,
-    # an empty tensor, with a tiny bucket size so many buckets are in flight.
+    # an empty tensor, with tiny bucket and split sizes so many buckets are in flight.
     gen = torch.Generator().manual_seed(rank)
     big = torch.randn(3000, generator=gen)
     base = torch.randn(8, 6, generator=gen)
@@ -482,8 +497,17 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
         torch.rand(33, generator=gen) > 0.5,
         torch.randn(7, generator=gen).double(),
     ]
-    broadcast_tensors(tensors, bucket_bytes=256)
+    broadcast_tensors(tensors, bucket_bytes=256, split_bytes=100)  # most buckets go as halves
     out["buckets"] = [t.clone() for t in tensors]
+
+    # The source's payload inside the layout check and past it, from a source that is not
+    # rank 0, ending at every place the inline part can end. Each rank offers its own bytes:
+    # only the source's may arrive.
+    with syncing_from(1):
+        out["validated"] = [
+            broadcast_validated(_payload(rank, n), "same layout", "test", inline=8).hex()
+            for n in _PAYLOAD_LENGTHS
+        ]
 
     # A rank with another model shape: every rank raises, nobody hangs.
     odd = TorchState(_net(hidden=16 if rank != 1 else 15))
@@ -509,7 +533,9 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
     assert ref["synced"]["epoch"] == 0 and ref["synced"]["meta"] == [0, ["a", 0], [0]]
     assert len(ref["synced"]["opt"]["state"]) == 6 and len(ref["synced"]["aux_opt"]["state"]) == 2
     assert ref["synced"]["opt"]["param_groups"][0]["lr"] == 5e-3
+    assert ref["validated"] == [_payload(1, n).hex() for n in _PAYLOAD_LENGTHS]
     for rank, res in enumerate(results[1:], start=1):
+        assert res["validated"] == ref["validated"]
         for key in ("synced", "trained", "buckets"):
             _assert_same(res[key], ref[key], f"rank{rank}.{key}")
         assert res["layout_error"] and res["type_error"] and res["group_ok"]
@@ -521,7 +547,7 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
 
 def _striped_worker(rank: int, world: int, outdir: Path) -> None:
     from peer_elastic.agreement import Claim, StateVersion
-    from peer_elastic.torch.collectives import agree_and_sync, syncing_from
+    from peer_elastic.torch.collectives import agree_and_sync
 
     out: dict[str, Any] = {}
     holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
@@ -566,6 +592,18 @@ def test_striped_join_leaves_every_rank_bit_identical(tmp_path: Path) -> None:
             _assert_same(res[key], ref[key], f"rank{rank}.{key}")
         _assert_same(res["restored"], res["synced"], f"rank{rank} restore point")
         assert res["same_buffers"]
+
+
+def test_a_large_packed_bucket_is_cut_at_the_tensor_boundary_nearest_its_middle() -> None:
+    def sized(*numels: int) -> list[torch.Tensor]:
+        return [torch.empty(n) for n in numels]  # 4 bytes each
+
+    bucket = sized(10, 30, 5, 5, 50)  # 400 bytes; the middle byte falls after the 4th
+    assert [[t.numel() for t in h] for h in halves(bucket, split=400)] == [[10, 30, 5, 5], [50]]
+    assert halves(bucket, split=401) == [bucket]  # too small to be worth a second collective
+    one = sized(1000)
+    assert halves(one, split=4) == [one]  # a single tensor is never cut
+    assert [[t.numel() for t in h] for h in halves(sized(1, 1), split=1)] == [[1], [1]]
 
 
 def test_syncing_from_requires_the_source_among_the_holders() -> None:
