@@ -25,6 +25,21 @@ from peer_elastic.torch.reset_vote import current_vote
 DEFAULT_BUCKET_BYTES = 32 << 20
 
 
+_BALLOT_ELEMENTS: dict[tuple[bool, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _ballot_element(wants_reset: bool, like: torch.Tensor) -> torch.Tensor:
+    """The one-element tensor a rank appends to the voting bucket: 1 for a reset, else 0.
+    Made once per dtype and device (``torch.cat`` copies it; nothing writes to it): a fresh
+    one every step cost more than the rest of the vote (measured with the caches cold)."""
+    key = (wants_reset, like.dtype, like.device)
+    element = _BALLOT_ELEMENTS.get(key)
+    if element is None:
+        element = _BALLOT_ELEMENTS[key] = torch.full((1,), float(wants_reset),
+                                                     dtype=like.dtype, device=like.device)
+    return element
+
+
 class _Averaging:
     """Mixin placed in front of the user's optimizer class."""
 
@@ -61,14 +76,15 @@ class _Averaging:
             parts = [g.reshape(-1) for g in bucket]
             riding = ballot is not None and i == rider
             if riding:
-                parts.append(torch.full((1,), float(ballot.wants_reset),
-                                        dtype=bucket[0].dtype, device=bucket[0].device))
+                parts.append(_ballot_element(ballot.wants_reset, bucket[0]))
             flat = torch.cat(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(world)  # the ballot element too: still positive exactly when one voted 1
             if riding:
-                vote.counted(ballot, flat[-1:].clone())  # before the division: a count
-                flat = flat[:-1]
-            flat.div_(world)
+                # The bucket itself, its last element the vote: it stays alive until the
+                # check takes it or the next step replaces it (no slice or copy per step).
+                vote.counted(ballot, flat)
+            # The trailing ballot element, if any, is past the last gradient: not unflattened.
             for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 g.copy_(avg)
 

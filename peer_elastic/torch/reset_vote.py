@@ -7,7 +7,8 @@ a busy machine that collective is most of a check's cost and several percent of 
 step. A job whose gradients are averaged by ``DistributedOptimizer`` already runs a SUM
 all-reduce every step on every rank, so the bit rides along for free: each rank appends one
 element to the last flattened gradient bucket, 1 when it wants a reset and 0 otherwise, and
-the summed element is every rank's answer. The next check takes it instead of running its
+the summed element (divided by the world size with the gradients) is positive exactly when
+some rank wants one: every rank's answer. The next check takes it instead of running its
 own exchange.
 
 Why it is agreed: every rank makes the same optimizer steps and the same checks in the same
@@ -45,7 +46,7 @@ class Ballot:
 @dataclass(frozen=True)
 class _Counted:
     group: object
-    total: torch.Tensor  # one element: the number of ranks that wanted a reset (SUM)
+    bucket: torch.Tensor  # the step's reduced bucket; its last element is the vote
 
 
 class ResetVote:
@@ -60,10 +61,14 @@ class ResetVote:
         """This rank's ballot for the all-reduce about to run, or None (no group)."""
         return self._ballot()
 
-    def counted(self, ballot: Ballot, total: torch.Tensor) -> None:
-        """The all-reduce of ``ballot``'s step completed; ``total`` is the summed element
-        (a tensor of its own, not a view into the gradient buffer)."""
-        self._counted = _Counted(ballot.group, total)
+    def counted(self, ballot: Ballot, bucket: torch.Tensor) -> None:
+        """The all-reduce of ``ballot``'s step completed. The last element of ``bucket`` is
+        every rank's ballot element summed, maybe scaled by a positive factor (the averaging
+        divides the whole bucket by the world size): positive exactly when some rank wanted
+        a reset. Kept as is, not copied: nothing writes to the bucket after its all-reduce
+        (the averaged gradients are copied out of it), and on the step's hot path, with the
+        caches cold, even a one-element copy cost measurably."""
+        self._counted = _Counted(ballot.group, bucket)
 
     def take(self, group: object) -> bool | None:
         """Whether some rank of ``group`` wanted a reset at the last optimizer step since the
@@ -71,7 +76,7 @@ class ResetVote:
         counted, self._counted = self._counted, None
         if counted is None or counted.group is not group:
             return None
-        return bool(counted.total.item() > 0)
+        return bool(counted.bucket[-1].item() > 0)
 
     def clear(self) -> None:
         self._counted = None

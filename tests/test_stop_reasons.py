@@ -1,0 +1,38 @@
+"""stop_reason: the first cause that holds, in StopCause order, whatever collection of causes
+is asked about (unit tests on fakes; every stop path also runs on real peers elsewhere)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from peer_elastic.etcd.stop import ALL_CAUSES, RESET_NOW, GroupId, StopCause, stop_reason
+
+
+def _coord(error: Exception | None = None, incarnation: int = 1) -> Any:
+    return SimpleNamespace(error=error, incarnation=incarnation, member_id="m", job="j",
+                           drain_requested=threading.Event())
+
+
+def _snap(done: object = None) -> Any:
+    return SimpleNamespace(generation=None, done=done, members={"m": object()})
+
+
+def test_the_most_severe_cause_that_holds_wins_for_any_collection_of_causes() -> None:
+    coord, snap = _coord(error=RuntimeError("boom")), _snap(done=object())
+    for causes in (ALL_CAUSES, RESET_NOW, tuple(StopCause), [StopCause.JOB_DONE, StopCause.FATAL],
+                   {StopCause.JOB_DONE, StopCause.FATAL}):
+        reason = stop_reason(coord, None, snap, causes=causes)
+        assert reason is not None and reason.cause is StopCause.FATAL, causes
+    reason = stop_reason(coord, None, snap, causes=[StopCause.JOB_DONE])
+    assert reason is not None and reason.cause is StopCause.JOB_DONE
+
+
+def test_group_causes_need_a_group_and_nothing_holds_in_a_healthy_job() -> None:
+    group = GroupId(generation=3, roster=("m",), incarnation=1)
+    assert stop_reason(_coord(), None, _snap(), causes=RESET_NOW) is None
+    assert stop_reason(_coord(), group, _snap(), causes=RESET_NOW) is None
+    reason = stop_reason(_coord(incarnation=2), group, _snap(), causes=RESET_NOW)
+    assert reason is not None and reason.cause is StopCause.LEASE_LOST
+    assert stop_reason(_coord(incarnation=2), None, _snap(), causes=RESET_NOW) is None
