@@ -21,7 +21,7 @@ from tests.helpers.world import run_world
 STEPS = 6
 
 
-def test_take_returns_the_latest_count_of_the_group_once() -> None:
+def test_take_returns_the_latest_vote_of_the_group_once() -> None:
     group = object()
     vote = ResetVote(lambda: Ballot(group, False))
     assert vote.take(group) is None  # nothing counted yet
@@ -31,6 +31,17 @@ def test_take_returns_the_latest_count_of_the_group_once() -> None:
     vote.counted(ballot, torch.full((1,), 2.0))  # the latest step's count wins
     assert vote.take(group) is True
     assert vote.take(group) is None  # taken: the next check needs a new step
+
+
+def test_the_vote_is_the_last_element_of_the_averaged_bucket() -> None:
+    group = object()
+    vote = ResetVote(lambda: Ballot(group, False))
+    # Gradients first, the ballot element last, all divided by the world size (1024 here):
+    # one rank of 1024 voting for a reset still reads as a reset; a big gradient does not.
+    vote.counted(vote.cast(), torch.tensor([7.0, -3.0, 1.0]) / 1024)
+    assert vote.take(group) is True
+    vote.counted(vote.cast(), torch.tensor([7.0, 3.0, 0.0]) / 1024)
+    assert vote.take(group) is False
 
 
 def test_a_vote_of_another_group_is_dropped_unread() -> None:
