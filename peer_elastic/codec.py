@@ -73,8 +73,7 @@ def _unsendable(value: Any, path: str) -> tuple[str, Any] | None:
 
 
 def _refusal(value: Any, path: str) -> TypeError:
-    found = _unsendable(value, path) or (path, value)
-    path, value = found
+    path, value = _unsendable(value, path) or (path, value)
     return TypeError(
         f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which sync() cannot "
         f"send without pickle. Keep plain values ({_PLAIN_TYPES}) in the state, or register a "

@@ -187,6 +187,7 @@ def broadcast_plain(value: Any, what: str = "value") -> Any:
 
 _DIGEST_BYTES = 28  # 224 bits of SHA-256: equal digests mean equal descriptions
 _LENGTH_BYTES = 8
+_COMPLEMENT = bytes(range(255, -1, -1))  # bytes.translate table: b -> 255 - b
 
 DEFAULT_INLINE_BYTES = 16 * 2**10
 """Payload bytes :func:`broadcast_validated` carries inside its layout check. An optimizer's
@@ -203,7 +204,7 @@ def _header(description: str, payload: bytes, is_src: bool, inline: int) -> torc
     digest = hashlib.sha256(description.encode("utf-8")).digest()[:_DIGEST_BYTES]
     header = bytearray(2 * _DIGEST_BYTES + _LENGTH_BYTES + inline)
     header[:_DIGEST_BYTES] = digest
-    header[_DIGEST_BYTES:2 * _DIGEST_BYTES] = bytes(255 - b for b in digest)
+    header[_DIGEST_BYTES:2 * _DIGEST_BYTES] = digest.translate(_COMPLEMENT)
     if is_src:
         at = 2 * _DIGEST_BYTES
         header[at:at + _LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "big")
@@ -227,7 +228,7 @@ def broadcast_validated(payload: bytes, description: str, what: str,
     all_reduce_max_inplace(header)
     got = header.numpy().tobytes()
     highest = got[:_DIGEST_BYTES]
-    lowest = bytes(255 - b for b in got[_DIGEST_BYTES:2 * _DIGEST_BYTES])
+    lowest = got[_DIGEST_BYTES:2 * _DIGEST_BYTES].translate(_COMPLEMENT)
     if highest != lowest:
         raise ValueError(
             f"{what} differs between ranks; every peer must build the same models, "

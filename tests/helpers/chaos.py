@@ -397,7 +397,8 @@ class ChaosRunner:
             if p.state == "leaving":
                 p.state = "left"
                 if rc != 0:
-                    self.fail(f"{p.name} left on SIGTERM with exit code {rc}, not 0", [p])
+                    self.fail(f"{p.name} was asked to leave (SIGTERM or drain) and exited "
+                              f"with code {rc}, not 0", [p])
                 continue
             if rc == 0 and not self.finished:
                 # A standby sees the done record and exits, maybe before rank 0's RESULT
@@ -591,10 +592,17 @@ class ChaosRunner:
 
     def _do_term(self, ev: Event, a: Applied) -> None:
         p, in_roster = self._pick(ev, a)
+        self._leave_gracefully(ev, a, p, in_roster, "SIGTERM",
+                               lambda: p.proc.signal(signal.SIGTERM))
+
+    def _leave_gracefully(self, ev: Event, a: Applied, p: Tracked, in_roster: bool, how: str,
+                          ask: Callable[[], object]) -> None:
+        """Ask ``p`` to leave (``ask``: a signal, a drain), wait for it to exit, require exit
+        code 0 and wait until the job trains on without it."""
         g0 = self.max_gen
         p.state = "leaving"
-        p.proc.signal(signal.SIGTERM)
-        self.wait_for(f"{p.name} to leave on SIGTERM",
+        ask()
+        self.wait_for(f"{p.name} to leave on {how}",
                       lambda: p.proc.proc.poll() is not None, timeout=90, peers=[p])
         self.check()  # asserts its exit code 0
         self._settle_after_departure(ev, a, g0, in_roster)

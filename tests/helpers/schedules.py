@@ -370,13 +370,11 @@ class ScheduleRunner(ChaosRunner):
     def _do_drain(self, ev: Event, a: Applied) -> None:
         p, in_roster = self._pick(ev, a)
         self.wait_for(f"{p.name} to register", lambda: bool(p.members), timeout=120, peers=[p])
-        g0 = self.max_gen
-        p.state = "leaving"
-        a.detail = self.cli("drain", p.members[-1])  # its current registration
-        self.wait_for(f"{p.name} to leave on drain",
-                      lambda: p.proc.proc.poll() is not None, timeout=90, peers=[p])
-        self.check()  # asserts its exit code 0
-        self._settle_after_departure(ev, a, g0, in_roster)
+
+        def drain() -> None:
+            a.detail = self.cli("drain", p.members[-1])  # its current registration
+
+        self._leave_gracefully(ev, a, p, in_roster, "drain", drain)
 
     def _do_stop_short(self, ev: Event, a: Applied) -> None:
         self.wait_for("a peer to stop", lambda: len(self.candidates()) >= 1, timeout=120)
