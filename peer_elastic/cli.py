@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerElasticError
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
+from peer_elastic.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK
 
 if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
@@ -189,13 +190,19 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.standalone:
         from peer_elastic.etcd_server import EtcdServer
 
-        server = EtcdServer().start()
+        server = EtcdServer(die_with_parent=True).start()
         env[ETCD.env] = server.endpoint
         print(f"peer-elastic: embedded etcd at {server.endpoint}, job {job}", file=sys.stderr)
     else:
         env[ETCD.env] = args.etcd
+    # If this launcher is SIGKILLed, its peers get a signal (peer_elastic.parent_death):
+    # SIGTERM, to leave the job gracefully, as on Ctrl-C. With --standalone the job's etcd
+    # ends with the launcher too, so nothing is left to leave (a peer would retry the gone
+    # etcd for its whole retry budget): SIGKILL.
+    orphaned = signal.SIGKILL if server is not None else signal.SIGTERM
     try:
-        return _run_peers(cmd, args.nproc, env, OutputOptions(args.log_dir, args.tee))
+        return _run_peers(cmd, args.nproc, env, OutputOptions(args.log_dir, args.tee),
+                          orphaned)
     finally:
         if server is not None:
             server.stop()
@@ -219,7 +226,8 @@ def _start_tracker(env: dict[str, str]) -> RankTracker | None:
         return None
 
 
-def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOptions) -> int:
+def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOptions,
+               orphaned: signal.Signals) -> int:
     procs: list[subprocess.Popen[Any]] = []
     stopping = {"signal": 0}
     tracker: RankTracker | None = None
@@ -252,10 +260,13 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOption
     mux = Multiplexer(label, output, sys.stdout.buffer, sys.stderr.buffer)
     old_int = signal.signal(signal.SIGINT, forward)
     old_term = signal.signal(signal.SIGTERM, forward)
+    # Nobody would read a peer's output once this process is gone, whatever ended it.
+    on_launcher_death = die_with_parent(orphaned)
     try:
         for i in range(n):
             penv = dict(env, **{LOCAL_RANK.env: str(i)})
-            p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=on_launcher_death)
             procs.append(p)
             if tracker is not None:
                 tracker.add(i, p.pid)
@@ -284,7 +295,8 @@ def _run_peers(cmd: list[str], n: int, env: dict[str, str], output: OutputOption
 def cmd_etcd(args: argparse.Namespace) -> int:
     from peer_elastic.etcd_server import EtcdServer
 
-    server = EtcdServer(data_dir=args.data_dir, client_port=args.port, log_file=None)
+    server = EtcdServer(data_dir=args.data_dir, client_port=args.port, log_file=None,
+                        die_with_parent=True)
     server.start()
     print(f"etcd running at {server.endpoint} (data in {args.data_dir}); Ctrl-C stops it",
           file=sys.stderr)

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from peer_elastic.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD_BINARY
 
 __all__ = [
@@ -256,8 +257,13 @@ class EtcdServer:
         heartbeat_interval_ms: int = 50,
         election_timeout_ms: int = 500,
         unsafe_no_fsync: bool = False,
+        die_with_parent: bool = False,
     ) -> None:
         self.name = name
+        # Linux: etcd gets SIGTERM when this process ends, even by SIGKILL (nothing here runs
+        # then). Only for a server started and restarted from the main thread: the kernel
+        # signals the child when the *thread* that started it ends (peer_elastic.parent_death).
+        self.die_with_parent = die_with_parent
         self.binary = binary or find_etcd_binary()
         self.extra_args: list[str] = list(extra_args)
         self.keep_data = keep_data
@@ -533,6 +539,7 @@ class EtcdServer:
                 env=_etcd_env(),
                 start_new_session=True,
                 close_fds=True,
+                preexec_fn=die_with_parent(signal.SIGTERM) if self.die_with_parent else None,
             )
         except BaseException:
             self._close_log()

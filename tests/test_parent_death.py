@@ -1,0 +1,183 @@
+"""A SIGKILLed launcher takes its children with it (peer_elastic.parent_death), on real
+processes: the peers ``peer-elastic run`` started, and its embedded etcd."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from peer_elastic.parent_death import die_with_parent
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the parent-death signal is Linux's")
+
+ROOT = Path(__file__).resolve().parent.parent
+GONE_TIMEOUT_S = 60.0  # generous: etcd shuts down gracefully on a loaded machine
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for whoever inherited it to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _wait_gone(pids: list[int]) -> list[int]:
+    """The pids still running after GONE_TIMEOUT_S (polled: a process that is not our child
+    cannot be waited on)."""
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """A failed test leaves nothing running (these processes are not our children)."""
+    for pid in pids:
+        if not _gone(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _etcd_serving(url: str) -> tuple[int, Path]:
+    """The pid of the etcd process serving ``url`` (found by its command line), and the temp
+    dir its launcher made for it (nobody is left to remove it: the test does)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if "etcd" in cmdline[0] and any(url in arg for arg in cmdline):
+            data = next(a.split("=", 1)[1] for a in cmdline if a.startswith("--data-dir="))
+            return int(entry.name), Path(data).parent
+    raise AssertionError(f"no process serves {url}")
+
+
+def test_a_child_gets_the_signal_when_its_parent_is_killed() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, subprocess, sys, time\n"
+         "from peer_elastic.parent_death import die_with_parent\n"
+         "child = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent(signal.SIGTERM))\n"
+         "print(child.pid, flush=True)\n"
+         "time.sleep(300)\n"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        children.append(int(parent.stdout.readline()))
+        assert not _gone(children[0])
+        parent.kill()
+        parent.wait(timeout=30)
+        assert _wait_gone(children) == [], "the child outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+        _kill_leftovers(children)
+
+
+def test_it_is_a_preexec_function_on_linux() -> None:
+    assert callable(die_with_parent(signal.SIGTERM))
+
+
+def _launcher_children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _wait_for_world(etcd: str, job: str, size: int) -> None:
+    """Until the job trains with ``size`` members (asked the way an operator would)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = subprocess.run([sys.executable, "-m", "peer_elastic.cli", "status", "--etcd", etcd,
+                            "--job", job, "--json", "--timeout", "5"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 and json.loads(r.stdout)["world_size"] == size:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} never trained with {size} members")
+
+
+def _kill_launcher_and_wait(launcher: subprocess.Popen[str], children: list[int]) -> None:
+    launcher.kill()
+    launcher.wait(timeout=30)
+    assert _wait_gone(children) == [], "children outlived the SIGKILLed launcher"
+
+
+TRAIN = [sys.executable, "examples/train_digits.py", "--epochs", "1000"]  # trains on and on
+
+
+def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
+        unique_job: str) -> None:
+    """``peer-elastic run --standalone`` SIGKILLed mid-training: its etcd shuts down and its
+    peers (real ones, the README's example) end with it, nothing serves or trains on."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "peer_elastic.cli", "run", "--standalone", "--job", unique_job,
+         "-n", "2", "--start-settle", "0.5", "--", *TRAIN],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    children: list[int] = []
+    work_dir: Path | None = None
+    try:
+        banner = launcher.stderr.readline()
+        found = re.search(r"embedded etcd at (\S+),", banner)
+        assert found, banner
+        endpoint = found.group(1)
+        etcd, work_dir = _etcd_serving(f"http://{endpoint}")
+        _wait_for_world(endpoint, unique_job, 2)
+        children = _launcher_children(launcher.pid)
+        assert etcd in children and len(children) == 3, children
+        _kill_launcher_and_wait(launcher, children)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{endpoint}/health", timeout=2)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        _kill_leftovers(children)
+        if work_dir is not None and work_dir.name.startswith("peer-elastic-etcd-"):
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def test_a_killed_launcher_s_peers_leave_a_shared_etcd_gracefully(
+        etcd: str, unique_job: str) -> None:
+    """``peer-elastic run --etcd`` SIGKILLed: its peers get SIGTERM and leave the job (whose
+    etcd is not the launcher's and lives on) as on Ctrl-C; the job has no member left."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "peer_elastic.cli", "run", "--etcd", etcd, "--job", unique_job,
+         "-n", "2", "--start-settle", "0.5", "--", *TRAIN],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    children: list[int] = []
+    try:
+        _wait_for_world(etcd, unique_job, 2)
+        children = _launcher_children(launcher.pid)
+        assert len(children) == 2, children
+        _kill_launcher_and_wait(launcher, children)
+        r = subprocess.run([sys.executable, "-m", "peer_elastic.cli", "status", "--etcd", etcd,
+                            "--job", unique_job, "--json"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        # Either the job's last members ended its run, or it is there with nobody in it.
+        assert r.returncode != 0 or json.loads(r.stdout)["members"] == [], r.stdout
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        _kill_leftovers(children)
