@@ -54,7 +54,7 @@ from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 from peer_elastic.torch.pending_check import PendingCheck
-from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
+from peer_elastic.torch.reset_vote import Ballot, LastBallot, ResetVote, voting
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Peer:
         # Or, in a job averaging gradients with DistributedOptimizer, the same bit carried by
         # the step's gradient all-reduce: then a check runs no collective of its own.
         self._vote = ResetVote(self._ballot)
+        self._last_ballot = LastBallot()
         self._state: Any = None  # the state given to run()
         self._synced_once = False
         self._restored = False  # since the last reset (for metrics)
@@ -236,12 +237,24 @@ class Peer:
         return want
 
     def _ballot(self) -> Ballot | None:
-        """This rank's reset vote for an optimizer step's gradient all-reduce."""
+        """This rank's reset vote for an optimizer step's gradient all-reduce.
+
+        Asked on every optimizer step. It depends only on the group, the watched view's
+        snapshot, the coordinator's fatal error and its registration (what ``_want`` reads),
+        so while those are the same objects the last ballot stands: deciding it anew walked
+        the stop causes every step.
+        """
         group = self._group
         if group is None:
             return None
-        want = self._want(group, self.coordinator.snapshot())
-        return Ballot(group, want > group.assignment.generation)
+        coord = self.coordinator
+        snap = coord.snapshot()
+        facts = (group, snap, coord.error, coord.incarnation)
+        ballot = self._last_ballot.get(facts)
+        if ballot is None:
+            wants = self._want(group, snap) > group.assignment.generation
+            ballot = self._last_ballot.put(facts, Ballot(group, wants))
+        return ballot
 
     def run(self, func: Callable[..., R], state: Any, *args: Any, **kwargs: Any) -> R:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.

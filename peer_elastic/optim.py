@@ -6,6 +6,11 @@ then take the wrapped optimizer's step. Because it looks up the group at each st
 needs rebuilding after a reset, unlike DDP (see the README for rebuilding DDP in a reset
 callback).
 
+After the averaging, each gradient is a view of the flat buffer its bucket was reduced in
+(as with DDP's ``gradient_as_bucket_view``), not a copy: one pass over the gradient bytes
+fewer per step. In-place work on ``p.grad`` afterwards (clipping, accumulation with
+``zero_grad(set_to_none=False)``) works as on any gradient.
+
 The optimizer object keeps its identity and class hierarchy (its class is swapped for a
 subclass), so ``isinstance(opt, torch.optim.Adam)`` and :class:`~peer_elastic.TorchState`
 keep working, and its ``state_dict()`` is unchanged.
@@ -17,12 +22,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.torch.collectives import plan_buckets
 from peer_elastic.torch.reset_vote import current_vote
 
 DEFAULT_BUCKET_BYTES = 32 << 20
+
+_DIST = dist.is_available()
 
 
 _BALLOT_ELEMENTS: dict[tuple[bool, torch.dtype, torch.device], torch.Tensor] = {}
@@ -46,10 +53,20 @@ class _Averaging:
     _pe_bucket_bytes: int
 
     def synchronize(self) -> None:
-        """All-reduce and average gradients now (``step()`` does this itself)."""
-        if not dist.is_available() or not dist.is_initialized():
+        """All-reduce and average gradients now (``step()`` does this itself).
+
+        Afterwards each averaged gradient (``p.grad``) is a view of the flat buffer its
+        bucket was reduced in, as with DDP's ``gradient_as_bucket_view``: copying the
+        averages back into the old gradient tensors would cost a pass over every gradient
+        byte per step. A parameter whose gradient was not contiguous keeps its gradient
+        tensor (its layout) and gets the average copied in.
+        """
+        # dist.group.WORLD: the default group, None when there is none. Cheaper than
+        # is_initialized() + get_world_size(), which matters on the per-step hot path.
+        pg = dist.group.WORLD if _DIST else None
+        if pg is None:
             return
-        world = dist.get_world_size()
+        world = pg.size()
         if world == 1:
             return
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # type: ignore[attr-defined]
@@ -58,26 +75,30 @@ class _Averaging:
                 # Every rank must reduce the same tensors; a rank that produced no gradient
                 # for a parameter contributes zeros.
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
         # The same bucket plan state sync uses: by dtype and device, in parameter order, so
-        # every rank reduces the same buckets.
-        buckets = plan_buckets(grads, self._pe_bucket_bytes, self._pe_bucket_bytes)
+        # every rank reduces the same buckets (a gradient has its parameter's size, dtype
+        # and device, so planning on the parameters plans the same buckets).
+        buckets = plan_buckets(params, self._pe_bucket_bytes, self._pe_bucket_bytes)
         # The run loop's reset vote rides on the last bucket of several gradients (always
         # flattened, on every rank alike), so a check after this step needs no collective
         # of its own (peer_elastic.torch.reset_vote).
         vote = current_vote()
         ballot = vote.cast() if vote is not None else None
-        rider = max((i for i, b in enumerate(buckets) if len(b) > 1), default=None)
+        rider = len(buckets) - 1  # the last bucket of several gradients, if any
+        while rider >= 0 and len(buckets[rider]) < 2:
+            rider -= 1
         for i, bucket in enumerate(buckets):
-            if len(bucket) == 1 and bucket[0].is_contiguous():
-                dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM)  # large: in place
-                bucket[0].div_(world)
+            grads = [p.grad for p in bucket]
+            if len(grads) == 1 and grads[0].is_contiguous():
+                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM)  # large: in place
+                grads[0].div_(world)
                 continue
-            parts = [g.reshape(-1) for g in bucket]
             riding = ballot is not None and i == rider
             if riding:
-                parts.append(_ballot_element(ballot.wants_reset, bucket[0]))
-            flat = torch.cat(parts)
+                flat = _flatten_dense_tensors([*grads, _ballot_element(ballot.wants_reset,
+                                                                        grads[0])])
+            else:
+                flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(world)  # the ballot element too: still positive exactly when one voted 1
             if riding:
@@ -85,8 +106,12 @@ class _Averaging:
                 # check takes it or the next step replaces it (no slice or copy per step).
                 vote.counted(ballot, flat)
             # The trailing ballot element, if any, is past the last gradient: not unflattened.
-            for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                g.copy_(avg)
+            for p, grad, avg in zip(bucket, grads, _unflatten_dense_tensors(flat, grads),
+                                    strict=True):
+                if grad.is_contiguous():
+                    p.grad = avg
+                else:
+                    grad.copy_(avg)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()

@@ -199,6 +199,12 @@ class JobView:
     # -- reading -------------------------------------------------------------------------------
 
     def snapshot(self) -> ViewSnapshot:
+        # Without the lock while one is built: a snapshot is immutable, and one read just
+        # before a change commits is the one the lock would have given just before it. The
+        # reset vote asks on every optimizer step.
+        snap = self._snapshot
+        if snap is not None:
+            return snap
         with self._lock:
             if self._snapshot is None:
                 self._snapshot = self._build_snapshot()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Ballot", "ResetVote", "current_vote", "voting"]
+__all__ = ["Ballot", "LastBallot", "ResetVote", "current_vote", "voting"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,32 @@ class Ballot:
     wants_reset: bool
 
 
-@dataclass(frozen=True)
-class _Counted:
-    group: object
-    bucket: torch.Tensor  # the step's reduced bucket; its last element is the vote
+class LastBallot:
+    """The last ballot decided, kept with the facts it was decided from.
+
+    A rank's ballot is asked for on every optimizer step, and deciding it reads a few facts
+    that change rarely (its group, the watched view's snapshot, its coordinator's error and
+    registration). :meth:`get` returns the last ballot while every fact is the very same
+    object as when it was decided (a snapshot is a new object at every change), else None:
+    then the caller decides anew and :meth:`put` s it.
+    """
+
+    def __init__(self) -> None:
+        self._facts: tuple[object, ...] = ()
+        self._ballot: Ballot | None = None
+
+    def get(self, facts: tuple[object, ...]) -> Ballot | None:
+        last = self._facts
+        if self._ballot is None or len(last) != len(facts):
+            return None
+        for was, now in zip(last, facts, strict=True):
+            if was is not now:
+                return None
+        return self._ballot
+
+    def put(self, facts: tuple[object, ...], ballot: Ballot) -> Ballot:
+        self._facts, self._ballot = facts, ballot
+        return ballot
 
 
 class ResetVote:
@@ -55,7 +77,10 @@ class ResetVote:
     def __init__(self, ballot: Callable[[], Ballot | None]) -> None:
         # Returns None while this peer is in no group (nothing to vote in).
         self._ballot = ballot
-        self._counted: _Counted | None = None
+        # The group of the latest counted vote and the step's reduced bucket, whose last
+        # element is the vote (two attributes, not a record: this is set on every step).
+        self._group: object = None
+        self._bucket: torch.Tensor | None = None
 
     def cast(self) -> Ballot | None:
         """This rank's ballot for the all-reduce about to run, or None (no group)."""
@@ -65,21 +90,23 @@ class ResetVote:
         """The all-reduce of ``ballot``'s step completed. The last element of ``bucket`` is
         every rank's ballot element summed, maybe scaled by a positive factor (the averaging
         divides the whole bucket by the world size): positive exactly when some rank wanted
-        a reset. Kept as is, not copied: nothing writes to the bucket after its all-reduce
-        (the averaged gradients are copied out of it), and on the step's hot path, with the
-        caches cold, even a one-element copy cost measurably."""
-        self._counted = _Counted(ballot.group, bucket)
+        a reset. Kept as is, not copied: nothing writes to that element after the all-reduce
+        (the averaged gradients, views of the bucket from then on, all end before it), and
+        on the step's hot path, with the caches cold, even a one-element copy cost
+        measurably."""
+        self._group, self._bucket = ballot.group, bucket
 
     def take(self, group: object) -> bool | None:
         """Whether some rank of ``group`` wanted a reset at the last optimizer step since the
         previous take; None when no step voted in ``group`` since then."""
-        counted, self._counted = self._counted, None
-        if counted is None or counted.group is not group:
+        bucket, counted_in = self._bucket, self._group
+        self._group = self._bucket = None
+        if bucket is None or counted_in is not group:
             return None
-        return bool(counted.bucket[-1].item() > 0)
+        return bool(bucket[-1].item() > 0)
 
     def clear(self) -> None:
-        self._counted = None
+        self._group = self._bucket = None
 
 
 _current: ResetVote | None = None
