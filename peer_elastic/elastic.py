@@ -49,12 +49,13 @@ from peer_elastic.errors import (
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
+from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 from peer_elastic.torch.pending_check import PendingCheck
-from peer_elastic.torch.reset_vote import Ballot, LastBallot, ResetVote, voting
+from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class Peer:
         # Or, in a job averaging gradients with DistributedOptimizer, the same bit carried by
         # the step's gradient all-reduce: then a check runs no collective of its own.
         self._vote = ResetVote(self._ballot)
-        self._last_ballot = LastBallot()
+        # What this rank wants (generation, vote), decided once per change of its facts.
+        self._wants: IdentityMemo[tuple[int, Ballot]] = IdentityMemo()
         self._state: Any = None  # the state given to run()
         self._synced_once = False
         self._restored = False  # since the last reset (for metrics)
@@ -192,8 +194,7 @@ class Peer:
         if voted is False and not committing and not self._pending.pending:
             return  # the step's gradient all-reduce said: nobody wants a reset
         snap = self.coordinator.snapshot()
-        newest = snap.generation
-        want = self._want(group, snap)
+        want = self._wanted(group, snap)[0]
         # Complete the op of the previous check first (also before a commit), so every rank
         # runs the same collectives in the same order.
         with self._liveness.collective():  # waiting here is waiting on the others
@@ -222,6 +223,7 @@ class Peer:
             if self.snapshots is not None and group.assignment.rank == 0:
                 self.snapshots.after_commit(state, self._snapshot_info())
         if reset:
+            newest = snap.generation
             removals_only = newest is not None and not newest.joined
             raise HostsUpdatedInterrupt(skip_sync=removals_only)
 
@@ -236,25 +238,26 @@ class Peer:
             want = max(want, current + 1)
         return want
 
-    def _ballot(self) -> Ballot | None:
-        """This rank's reset vote for an optimizer step's gradient all-reduce.
+    def _wanted(self, group: FormedGroup, snap: Any) -> tuple[int, Ballot]:
+        """``_want(group, snap)``, and the reset vote it makes.
 
-        Asked on every optimizer step. It depends only on the group, the watched view's
-        snapshot, the coordinator's fatal error and its registration (what ``_want`` reads),
-        so while those are the same objects the last ballot stands: deciding it anew walked
-        the stop causes every step.
+        Asked at every check and every optimizer step. It depends only on the group, the
+        watched view's snapshot, the coordinator's fatal error and its registration (what
+        ``_want`` reads), so while those are the same objects the last answer stands
+        (:mod:`peer_elastic.memo`): deciding it anew walked the stop causes every step.
         """
-        group = self._group
-        if group is None:
-            return None
         coord = self.coordinator
-        snap = coord.snapshot()
         facts = (group, snap, coord.error, coord.incarnation)
-        ballot = self._last_ballot.get(facts)
-        if ballot is None:
-            wants = self._want(group, snap) > group.assignment.generation
-            ballot = self._last_ballot.put(facts, Ballot(group, wants))
-        return ballot
+        wanted = self._wants.get(facts)
+        if wanted is None:
+            want = self._want(group, snap)
+            wanted = self._wants.put(facts, (want, Ballot(group, want > group.generation)))
+        return wanted
+
+    def _ballot(self) -> Ballot | None:
+        """This rank's reset vote for an optimizer step's gradient all-reduce."""
+        group = self._group
+        return None if group is None else self._wanted(group, self.coordinator.snapshot())[1]
 
     def run(self, func: Callable[..., R], state: Any, *args: Any, **kwargs: Any) -> R:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.

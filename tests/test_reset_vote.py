@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import peer_elastic as pe
-from peer_elastic.torch.reset_vote import Ballot, LastBallot, ResetVote, current_vote, voting
+from peer_elastic.torch.reset_vote import Ballot, ResetVote, current_vote, voting
 from tests.helpers.world import run_world
 
 STEPS = 6
@@ -60,22 +60,6 @@ def test_voting_makes_the_vote_current_only_inside() -> None:
         vote.counted(Ballot(1, True), torch.ones(1))
     assert current_vote() is None
     assert vote.take(1) is None  # cleared on the way out
-
-
-def test_the_last_ballot_stands_only_while_every_fact_is_the_same_object() -> None:
-    group, snap, error = object(), object(), None
-    last = LastBallot()
-    assert last.get((group, snap, error, 1)) is None  # nothing decided yet
-    ballot = last.put((group, snap, error, 1), Ballot(group, False))
-    assert last.get((group, snap, error, 1)) is ballot
-    # Any fact another object (a new snapshot, an error appearing, a new registration, a
-    # new group), or the facts of another shape: decide anew.
-    for facts in ((group, object(), error, 1), (group, snap, RuntimeError("x"), 1),
-                  (group, snap, error, 2), (object(), snap, error, 1), (group, snap, error)):
-        assert last.get(facts) is None
-    # Equal is not enough: a decision may read what an equal-looking object holds.
-    last.put((group, snap, error, 10**6), ballot)
-    assert last.get((group, snap, error, int("1" + "0" * 6))) is None
 
 
 def _model() -> nn.Module:

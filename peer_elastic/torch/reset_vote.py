@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Ballot", "LastBallot", "ResetVote", "current_vote", "voting"]
+__all__ = ["Ballot", "ResetVote", "current_vote", "voting"]
 
 
 @dataclass(frozen=True)
@@ -41,34 +41,6 @@ class Ballot:
 
     group: object  # the FormedGroup the optimizer step runs in (compared by identity)
     wants_reset: bool
-
-
-class LastBallot:
-    """The last ballot decided, kept with the facts it was decided from.
-
-    A rank's ballot is asked for on every optimizer step, and deciding it reads a few facts
-    that change rarely (its group, the watched view's snapshot, its coordinator's error and
-    registration). :meth:`get` returns the last ballot while every fact is the very same
-    object as when it was decided (a snapshot is a new object at every change), else None:
-    then the caller decides anew and :meth:`put` s it.
-    """
-
-    def __init__(self) -> None:
-        self._facts: tuple[object, ...] = ()
-        self._ballot: Ballot | None = None
-
-    def get(self, facts: tuple[object, ...]) -> Ballot | None:
-        last = self._facts
-        if self._ballot is None or len(last) != len(facts):
-            return None
-        for was, now in zip(last, facts, strict=True):
-            if was is not now:
-                return None
-        return self._ballot
-
-    def put(self, facts: tuple[object, ...], ballot: Ballot) -> Ballot:
-        self._facts, self._ballot = facts, ballot
-        return ballot
 
 
 class ResetVote:
