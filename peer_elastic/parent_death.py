@@ -38,10 +38,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
     """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child receive ``sig``
-    when the calling thread's process ends; None where the platform has no such signal.
+    when the thread that starts it ends (the main thread: when this process ends, by SIGKILL
+    included); None where the platform has no such signal.
 
-    Call it, and start the child, from the thread whose end should end the child (the main
-    thread, for a command-line tool).
+    Call it in the process that starts the child (it records that process), and start the
+    child from the thread whose end should end it.
     """
     if not sys.platform.startswith("linux"):
         return None
