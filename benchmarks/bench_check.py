@@ -28,13 +28,16 @@ no longer hot, which is what a training loop sees);
     optimizer's gradient all-reduce carried (``peer_elastic.torch.reset_vote``) and runs no
     collective of its own. This is the target's measure;
   - ``step_opt``: ``DistributedOptimizer`` without the check (what averaging alone costs);
+  - ``step_plain_views``: the hand-written loop with the gradients set to views of the
+    averaged buffer instead of copied back, the memory work ``DistributedOptimizer`` does;
+    ``opt_check_vs_views`` is ``step_opt_check`` against it: peer-elastic's own bookkeeping;
   - ``step_check`` / ``step_commit``: the hand-written loop followed by a check (which then
     exchanges its bit itself, asynchronously: ``peer_elastic.torch.pending_check``) or by
     ``state.commit()``.
 
   ``plain``, ``plain_again`` (the same step again: the A/A pair shows the measurement's
-  own noise), ``opt`` and ``opt_check`` alternate step by step in an order shuffled every
-  round (the same seed on every rank), so the load's drift hits them alike. Their overhead
+  own noise), ``plain_views``, ``opt`` and ``opt_check`` alternate step by step in an order
+  shuffled every round (the same seed on every rank), so the load's drift hits them alike. Their overhead
   is the median over rounds of each step against the same round's plain step (paired: a
   stall of the oversubscribed machine lands on whichever step runs, and would swing a
   mean by more than the 1 % target), with a 95 % bootstrap interval over rounds: the
@@ -181,18 +184,15 @@ def worker(calls: int, commits: int, steps: int) -> int:
             # on every rank at once, so no rank waits in a collective meanwhile).
             local: list[int] = []
             dist.barrier()
-            # Stubbed where every all-reduce goes, whoever issues it (torch's wrapper or the
-            # process group directly): the process group class's own method.
-            group_class = type(dist.group.WORLD)
-            real_all_reduce = group_class.allreduce
-            group_class.allreduce = lambda *a, **k: _DoneWork()
+            real_all_reduce = dist.all_reduce
+            dist.all_reduce = lambda *a, **k: _DoneWork()  # type: ignore[assignment]
             try:
                 for _ in range(calls):
                     t = clock()
                     peer.check_host_updates()
                     local.append(clock() - t)
             finally:
-                group_class.allreduce = real_all_reduce
+                dist.all_reduce = real_all_reduce
             dist.barrier()
             # One real step, so the optimizer has momentum buffers to save.
             state.optimizer.zero_grad(set_to_none=True)
@@ -267,7 +267,10 @@ def steady_state(peer: Any, state: Any, steps: int) -> dict[str, list[int]]:
     clock = time.perf_counter_ns
     step_no = 0
 
-    def step() -> None:
+    def hand_written(as_views: bool) -> None:
+        # as_views: the averaged buffer's views become the gradients (no copy back), the
+        # memory work DistributedOptimizer does; against that loop, what is left is
+        # peer-elastic's own bookkeeping.
         nonlocal step_no
         sgd.zero_grad(set_to_none=True)
         forward_backward(model, step_no, rank)
@@ -277,28 +280,19 @@ def steady_state(peer: Any, state: Any, steps: int) -> dict[str, list[int]]:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            if as_views:
+                p.grad = flat[offset:offset + n].view_as(p)
+            else:
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
             offset += n
         plain_sgd_step()  # torch's SGD step, not the wrapper's (no second averaging)
         step_no += 1
 
+    def step() -> None:
+        hand_written(as_views=False)
+
     def step_views() -> None:
-        # The same loop, written with the memory work DistributedOptimizer does: the
-        # averaged buffer's views become the gradients (no copy back). Against it, what is
-        # left is peer-elastic's own bookkeeping.
-        nonlocal step_no
-        sgd.zero_grad(set_to_none=True)
-        forward_backward(model, step_no, rank)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
-            offset += n
-        plain_sgd_step()
-        step_no += 1
+        hand_written(as_views=True)
 
     pe_sgd = pe_optimizer(sgd)
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -37,14 +38,21 @@ def _gone(pid: int) -> bool:
 
 
 def _wait_gone(pids: list[int]) -> list[int]:
-    """The pids still running after GONE_TIMEOUT_S (polled: a process that is not our child
-    cannot be waited on)."""
-    deadline = time.monotonic() + GONE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if not _gone(p)]
-        if not alive:
-            return []
-        time.sleep(0.1)
+    """The pids still running after GONE_TIMEOUT_S. A process that is not our child cannot
+    be waited on, but its pidfd becomes readable when it exits: wait on those."""
+    fds = []
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # already gone (and reaped)
+                fds.append(os.pidfd_open(pid))
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        waiting = list(fds)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            exited, _, _ = select.select(waiting, [], [], left)
+            waiting = [fd for fd in waiting if fd not in exited]
+    finally:
+        for fd in fds:
+            os.close(fd)
     return [p for p in pids if not _gone(p)]
 
 
