@@ -23,7 +23,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -109,13 +108,6 @@ LEAVE_JOB = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.LEFT})
 ALL_CAUSES = frozenset(StopCause)
 
 
-@functools.lru_cache(maxsize=32)
-def _in_order(causes: frozenset[StopCause]) -> tuple[StopCause, ...]:
-    # The reset vote asks on every optimizer step: walking the enum and hashing its members
-    # there cost tens of microseconds per step with the caches cold.
-    return tuple(cause for cause in StopCause if cause in causes)
-
-
 def stop_reason(coord: Coordinator, group: GroupRef | None,
                 snap: ViewSnapshot | None = None, *,
                 causes: Collection[StopCause] = ALL_CAUSES) -> StopReason | None:
@@ -125,10 +117,11 @@ def stop_reason(coord: Coordinator, group: GroupRef | None,
     Reads memory only (the coordinator and its watched view), never etcd.
     """
     snap = snap if snap is not None else coord.snapshot()
-    for cause in _in_order(frozenset(causes) if not isinstance(causes, frozenset) else causes):
-        reason = _check(cause, coord, group, snap)
-        if reason is not None:
-            return reason
+    for cause in StopCause:
+        if cause in causes:
+            reason = _check(cause, coord, group, snap)
+            if reason is not None:
+                return reason
     return None
 
 
