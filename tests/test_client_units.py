@@ -62,6 +62,7 @@ def test_parse_is_the_inverse_of_the_builders() -> None:
         k.broken(3, "m"): ParsedKey(KeyKind.BROKEN, "j", "r1", "m", 3),
         k.alive(3, "m"): ParsedKey(KeyKind.ALIVE, "j", "r1", "m", 3),
         k.store_prefix(4) + "a/b": ParsedKey(KeyKind.STORE, "j", "r1", "a/b", 4),
+        k.arrivals_prefix(4) + "m": ParsedKey(KeyKind.ARRIVED, "j", "r1", "m", 4),
         k.drain("m"): ParsedKey(KeyKind.DRAIN, "j", "r1", "m"),
         k.fenced("m"): ParsedKey(KeyKind.FENCED, "j", "r1", "m"),
         k.failures("h"): ParsedKey(KeyKind.FAILURES, "j", "r1", "h"),

@@ -8,6 +8,7 @@
 /peer-elastic/<job>/<run>/gen/<n>/ready/<m>     AckRecord (member lease)
 /peer-elastic/<job>/<run>/gen/<n>/broken/<m>    AckRecord (member lease)
 /peer-elastic/<job>/<run>/gen/<n>/alive/<m>     AckRecord (member lease): "n broke, I live"
+/peer-elastic/<job>/<run>/gen/<n>/arrived/<m>   empty (run lease): m passed n's commit point
 /peer-elastic/<job>/<run>/gen/<n>/store/...     torch Store keys (run lease)
 /peer-elastic/<job>/<run>/drain/<member>        DrainRecord (run lease)
 /peer-elastic/<job>/<run>/fenced/<member>       FenceRecord (run lease): it took itself out
@@ -115,6 +116,11 @@ class RunKeys:
     def alive(self, n: int, member_id: str) -> str:
         return f"{self.gen_prefix(n)}alive/{member_id}"
 
+    def arrivals_prefix(self, n: int) -> str:
+        """Where the members of generation ``n`` arrive at its rendezvous' commit point
+        (:mod:`peer_elastic.torch.barrier`); one key per member id."""
+        return f"{self.gen_prefix(n)}arrived/"
+
     def store_prefix(self, n: int) -> str:
         return f"{self.gen_prefix(n)}store/"
 
@@ -158,6 +164,7 @@ class KeyKind(enum.Enum):
     BROKEN = "broken"
     ALIVE = "alive"
     STORE = "store"
+    ARRIVED = "arrived"
     DRAIN = "drain"
     FENCED = "fenced"
     FAILURES = "failures"
@@ -216,6 +223,8 @@ def parse(key: str) -> ParsedKey | None:
         n = int(path[1])
         if len(path) == 4 and path[2] in _ACKS and path[3]:
             return ParsedKey(_ACKS[path[2]], job, run_id, path[3], n)
+        if len(path) == 4 and path[2] == "arrived" and path[3]:
+            return ParsedKey(KeyKind.ARRIVED, job, run_id, path[3], n)
         if path[2] == "store" and len(path) >= 4:
             return ParsedKey(KeyKind.STORE, job, run_id, "/".join(path[3:]), n)
     return None

@@ -343,8 +343,8 @@ class JobView:
                 st.alive.setdefault(k.generation, set()).add(name)
             else:
                 st.broken.setdefault(k.generation, {})[name] = ack.detail
-        elif kind is KeyKind.STORE:
-            return  # torch Store traffic: not part of the picture
+        elif kind in (KeyKind.STORE, KeyKind.ARRIVED):
+            return  # a rendezvous' traffic: not part of the picture
         elif kind is KeyKind.DRAIN:
             decode(DrainRecord, kv.value, kv.key)
             if name not in st.drains:

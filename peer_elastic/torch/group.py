@@ -2,10 +2,14 @@
 
 :class:`GroupManager` is the only code that creates or destroys torch's default process
 group. For a generation it waits until every roster member acknowledged it (so nobody
-waits for a peer the leader is about to drop), then runs ``init_process_group`` over an
-:class:`~peer_elastic.torch.store.EtcdStore` under that generation's key prefix. The store
-gives up as soon as the generation is superseded, so a rendezvous never waits for a peer
-that is gone; the manager then moves on to the newer generation.
+waits for a peer the leader is about to drop), passes the rendezvous' commit point
+(:mod:`peer_elastic.torch.barrier`), then runs ``init_process_group`` over an
+:class:`~peer_elastic.torch.store.EtcdStore` under that generation's key prefix. Before
+the commit point a rendezvous gives up as soon as the generation is superseded, and the
+manager moves on to the newer one; after it, every member forms the group (a superseded
+one is left at the next check), and gives up only when it can never complete: a member's
+lease is gone, the job is done, or this peer's registration changed. Giving up after
+publishing an address would leave the peers that read it connecting to a rank that left.
 
 It also remembers the connections each group opened, so that a collective stuck on a peer
 whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,9 +43,14 @@ from peer_elastic.etcd.stop import (
 from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
+from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.store import EtcdStore
 
 log = logging.getLogger(__name__)
+
+
+#: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
+_SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
 
 
 def resolve_backend(backend: str) -> str:
@@ -173,15 +183,17 @@ class GroupManager:
             t1 = time.monotonic()
             incarnation = coord.incarnation
             pending = GroupId(a.generation, a.roster, incarnation)
-            if not self._wait_reachable(a, pending):
+            if not self._wait_reachable(a, pending) or not self._commit(a, pending):
                 continue
-            store = self._store = self._new_store(pending)
+            store = self._store = self._new_store(
+                pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE)
             try:
                 with GroupConnections.capture(exclude=self._is_etcd) as connections:
                     dist.init_process_group(
                         self.backend, store=store, rank=a.rank, world_size=a.size,
-                        timeout=timedelta(seconds=self.collective_timeout_s),
+                        timeout=timedelta(seconds=self.init_timeout_s()),
                     )
+                    self._set_group_timeout()
             except Exception as exc:
                 reason = self._abort_reason(pending)
                 log.info("forming generation %d failed (%s): %s", a.generation,
@@ -202,6 +214,27 @@ class GroupManager:
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
+
+    def init_timeout_s(self) -> float:
+        """The group timeout while ``init_process_group`` connects the ranks.
+
+        Past the commit point every member is on its way into the rendezvous, so its waits
+        and connections take milliseconds among live peers. A member killed in the middle
+        leaves the others waiting inside gloo, out of reach, for five times the group timeout
+        (measured on torch 2.13: 150 s at the default 30 s). So the group is formed with
+        this shorter timeout, at least 5 s and four times ``join_timeout_s`` (how long a
+        peer may stay silent before it counts as lost), and given the collective timeout
+        once formed. Where torch cannot change a group's timeout afterwards, it is the
+        collective timeout throughout.
+        """
+        if _SET_GROUP_TIMEOUT is None:
+            return self.collective_timeout_s
+        join_timeout_s = float(self.coordinator.config.join_timeout_s or 1.0)
+        return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s))
+
+    def _set_group_timeout(self) -> None:
+        if _SET_GROUP_TIMEOUT is not None and self.init_timeout_s() < self.collective_timeout_s:
+            _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
 
     # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
 
@@ -317,20 +350,38 @@ class GroupManager:
         self._mark_broken(a.generation, "unreachable: " + "; ".join(problems))
         return False
 
-    def _new_store(self, pending: GroupId) -> EtcdStore:
+    def _commit(self, a: Assignment, pending: GroupId) -> bool:
+        """Pass the commit point of ``a``'s rendezvous; False when this peer withdrew
+        (superseded, or not everyone arrived in time): form the next generation."""
         coord = self.coordinator
-        assert coord.keys is not None and coord.run is not None
+        assert coord.keys is not None
+        with self._new_store(pending, coord.keys.arrivals_prefix(a.generation),
+                             ABANDON_RENDEZVOUS) as store:
+            result = pass_barrier(store, coord.member_id, a.roster,
+                                  timedelta(seconds=self.rendezvous_timeout_s))
+        if result.arrival is Arrival.COMMITTED:
+            return True
+        log.info("withdrew from generation %d's rendezvous: %s", a.generation, result.detail)
+        if result.arrival is Arrival.TIMED_OUT:
+            self._mark_broken(a.generation, f"rendezvous: {result.detail}")
+        return False
+
+    def _new_store(self, pending: GroupId, prefix: str,
+                   give_up_on: Collection[StopCause]) -> EtcdStore:
+        coord = self.coordinator
+        assert coord.run is not None
         return EtcdStore(
             coord.client,
-            coord.keys.store_prefix(pending.generation),
+            prefix,
             lease_id=coord.run.lease_id,
             timeout=timedelta(seconds=self.rendezvous_timeout_s),
-            abort=lambda: self._abort_reason(pending),
+            abort=lambda: self._abort_reason(pending, give_up_on),
         )
 
-    def _abort_reason(self, pending: GroupId) -> str | None:
+    def _abort_reason(self, pending: GroupId,
+                      causes: Collection[StopCause] = ABANDON_RENDEZVOUS) -> str | None:
         """Why the rendezvous of ``pending`` should give up, or None while it may go on."""
-        reason = stop_reason(self.coordinator, pending, causes=ABANDON_RENDEZVOUS)
+        reason = stop_reason(self.coordinator, pending, causes=causes)
         return None if reason is None else reason.detail
 
     def _mark_broken(self, generation: int, detail: str) -> None:

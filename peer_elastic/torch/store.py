@@ -385,6 +385,16 @@ class EtcdStore(dist.Store):
         """Delete ``key``; True iff it existed."""
         return self._client.delete(self._key(key)) > 0
 
+    def delete_unless_all_exist(self, key: str, others: Sequence[str]) -> bool:
+        """Delete ``key`` unless every one of ``others`` exists, atomically; True iff it
+        was deleted (or was not there). Not part of torch's API: the withdrawal of
+        :mod:`peer_elastic.torch.barrier`."""
+        if not others:
+            return False
+        ok, _ = self._client.txn([Txn.version(self._key(k)) > 0 for k in others], [],
+                                 [Txn.delete(self._key(key))])
+        return not ok
+
     def num_keys(self) -> int:
         """How many keys this store's prefix holds (its exactly-once markers not counted)."""
         kvs, _ = self._client.get_prefix(self.prefix)

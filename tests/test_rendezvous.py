@@ -1,0 +1,125 @@
+"""A generation superseded while its process group is being formed (real etcd, real gloo).
+
+Ranks publish their addresses in the store, then read each other's and connect. A rank
+that gave up after publishing (its generation was superseded) used to leave the others
+connecting to it inside gloo, where nothing interrupts them: five times the group timeout
+on torch 2.13 (measured: 40 s at an 8 s timeout), or a group that formed without it and
+stalled in its first collective. ``tests/helpers/group_proc.py`` makes that supersession
+certain: one peer marks the generation broken right after writing its own address and
+waits for the newer generation before reading its peers'. The commit point
+(``peer_elastic/torch/barrier.py``) rules that out.
+
+A member killed right after publishing its address strands the others the same way, and
+no commit point helps there: groups form under a shorter timeout instead
+(``GroupManager.init_timeout_s``), which bounds the wait at five times that.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from peer_elastic.torch.group import GroupManager
+from tests.helpers.procs import Cluster, PeerProc
+
+COLLECTIVE_TIMEOUT_S = 10.0
+SETTINGS = {
+    "PEER_ELASTIC_LEASE_TTL": 10,
+    "PEER_ELASTIC_JOIN_TIMEOUT": 3,
+    "PEER_ELASTIC_START_SETTLE": 0.5,
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": COLLECTIVE_TIMEOUT_S,
+    "PEER_ELASTIC_MIN_NP": 1,
+}
+GROUP_PROC = "tests.helpers.group_proc"
+
+
+@pytest.fixture
+def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
+    c = Cluster(etcd, unique_job, **SETTINGS)
+    yield c
+    c.close()
+
+
+def sums(p: PeerProc) -> dict[int, int]:
+    """Generation -> the all-reduced sum this peer printed for it."""
+    with p.cond:
+        found = [re.fullmatch(r"SUM (\d+) (\d+)", line) for line in p.lines]
+    return {int(m[1]): int(m[2]) for m in found if m}
+
+
+def wait_all_sum(peers: list[PeerProc], total: int, after: int, timeout: float) -> int:
+    """The first generation after ``after`` in which every peer all-reduced ``total``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        common = set.intersection(*({g for g, s in sums(p).items() if s == total and g > after}
+                                    for p in peers))
+        if common:
+            return min(common)
+        if time.monotonic() > deadline:
+            raise AssertionError("no common generation with all-reduced sum "
+                                 f"{total} after {after}:\n" +
+                                 "\n".join(f"--- {p.name}\n{p.output()}" for p in peers))
+        with peers[0].cond:  # woken by any line of the first peer; others are polled
+            peers[0].cond.wait(0.1)
+
+
+@pytest.mark.slow
+def test_supersession_during_the_rendezvous_strands_nobody(cluster: Cluster) -> None:
+    a, b = cluster.start(2, module=GROUP_PROC)
+    first = wait_all_sum([a, b], 2, after=0, timeout=90)
+    # c joins; its first two rendezvous are superseded after it wrote its address.
+    (c,) = cluster.start(1, module=GROUP_PROC, GROUP_PROC_SUPERSEDE=2)
+    line = c.wait_line("SUPERSEDED", timeout=90)
+    t0 = time.monotonic()
+    superseded = int(line.split()[1])
+    c.wait_line("SUPERSEDED", after=c.lines.index(line) + 1, timeout=60)
+    final = wait_all_sum([a, b, c], 3, after=superseded, timeout=60)
+    took = time.monotonic() - t0
+    print(f"generation {superseded} superseded mid-rendezvous (twice); all three "
+          f"all-reduced in generation {final} {took:.1f} s later")
+    assert final > first
+    # Stranded ranks wait out gloo's connect timeouts: 5 x the group timeout, twice.
+    assert took < 3 * COLLECTIVE_TIMEOUT_S, took
+    for p in (a, b, c):
+        assert "BROKEN" not in p.output(), p.output()
+
+
+@pytest.mark.slow
+def test_a_member_killed_while_the_others_connect_to_it_costs_no_group_timeouts(
+        etcd: str, unique_job: str) -> None:
+    # The default group timeout (30 s): waiting it out five times over (150 s) is what this
+    # rules out. Forming under 5 s (join timeout 1 s), the wait is at most 25 s.
+    cluster = Cluster(etcd, unique_job, **{**SETTINGS, "PEER_ELASTIC_JOIN_TIMEOUT": 1,
+                                            "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30})
+    try:
+        a, b = cluster.start(2, module=GROUP_PROC)
+        first = wait_all_sum([a, b], 2, after=0, timeout=90)
+        (c,) = cluster.start(1, module=GROUP_PROC, GROUP_PROC_DIE_IN_RENDEZVOUS=1)
+        line = c.wait_line("DYING", timeout=90)
+        t0 = time.monotonic()
+        assert c.wait(30) == -9
+        final = wait_all_sum([a, b], 2, after=int(line.split()[1]), timeout=120)
+        took = time.monotonic() - t0
+        print(f"c died in generation {line.split()[1]}'s rendezvous; a and b all-reduced "
+              f"in generation {final} {took:.1f} s later")
+        assert final > first
+        assert took < 40, took
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize(("join_timeout_s", "collective_timeout_s", "expected"), [
+    (1.0, 30.0, 5.0),  # the defaults: at least 5 s
+    (3.0, 30.0, 12.0),  # four join timeouts
+    (3.0, 8.0, 8.0),  # never longer than the collective timeout
+])
+def test_groups_form_under_a_shorter_timeout_than_their_collectives(
+        join_timeout_s: float, collective_timeout_s: float, expected: float) -> None:
+    coordinator = SimpleNamespace(config=SimpleNamespace(join_timeout_s=join_timeout_s),
+                                  client=SimpleNamespace(endpoints=()))
+    groups = GroupManager(coordinator, "gloo", collective_timeout_s)  # type: ignore[arg-type]
+    assert groups.init_timeout_s() == expected
