@@ -69,11 +69,12 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         plan = make_plan(seed, N_EVENTS)
         kinds.update(e.kind for e in plan.events)
         kinds.update(f"kill:{e.target}" for e in plan.events if e.kind == "kill")
+        kinds.update("burst" for e in plan.events if e.burst)
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
                          f"ddp={plan.pattern.ddp}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
-            "resume", "stop_short", "stop", "etcd_member", "etcd_all"}
+            "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst"}
     if hang_detection() is not None:
         want.add("hang")
     assert want <= set(kinds), kinds

@@ -9,7 +9,8 @@ own:
 * the hang watchdog (``GroupManager.lost_peer``): can this group still complete a
   collective? (:data:`CANNOT_COMPLETE`)
 * a rendezvous in progress (``GroupManager`` forming a group): give up on this generation?
-  (:data:`ABANDON_RENDEZVOUS`)
+  (:data:`ABANDON_RENDEZVOUS` until every member passed its commit point; after that, only
+  when the group cannot complete: :data:`CANNOT_COMPLETE`)
 * :meth:`Coordinator.check <peer_elastic.etcd.coordinator.Coordinator.check>`: does this
   peer's participation end? (:data:`LEAVE_JOB`)
 
@@ -98,7 +99,8 @@ RESET_NOW = frozenset({StopCause.FATAL, StopCause.LEASE_LOST, StopCause.JOB_DONE
 #: peers leave one by one, nothing is stuck).
 CANNOT_COMPLETE = frozenset({StopCause.FATAL, StopCause.LEASE_LOST, StopCause.JOB_DONE,
                              StopCause.PEER_LOST})
-#: A rendezvous gives up on its generation.
+#: A rendezvous gives up on its generation (before its commit point, see
+#: ``peer_elastic.torch.barrier``).
 ABANDON_RENDEZVOUS = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.SUPERSEDED,
                                 StopCause.NOT_IN_ROSTER})
 #: This peer's participation in the job ends (no group needed).

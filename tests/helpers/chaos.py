@@ -117,8 +117,14 @@ class Event:
     hold_s: float = 0.0  # stop: how long SIGSTOPped; etcd_*: how long down
     hard: bool = False  # etcd_*: SIGKILL (may lose 3.5.1's last writes) or graceful SIGTERM
     gap_s: float = 0.0  # extra pause after the job made progress again
+    # kill: the next event follows after gap_s without waiting for the job to re-form, so it
+    # lands in the middle of the reset (a rendezvous, the agreement, a sync)
+    burst: bool = False
 
     def describe(self) -> str:
+        return self._describe() + (", then at once" if self.burst else "")
+
+    def _describe(self) -> str:
         extra = ""
         if self.kind == "stop":
             extra = f" for {self.hold_s:.1f}s"
@@ -588,6 +594,9 @@ class ChaosRunner:
         p.state = "killed"
         p.proc.signal(signal.SIGKILL)
         p.proc.proc.wait(timeout=30)
+        if ev.burst:
+            a.detail = "the next event follows mid-reset"
+            return
         self._settle_after_departure(ev, a, g0, in_roster)
 
     def _do_term(self, ev: Event, a: Applied) -> None:

@@ -11,7 +11,10 @@ already applies kill, term, add, long SIGSTOP and etcd restarts, spaces events b
 for STEP/GEN progress and checks exit codes) with the remaining kinds:
 
 * ``kill``          SIGKILL a peer; ``target="leader"``: rank 0 of the newest generation,
-                    ``"other"``: a roster member that is not rank 0.
+                    ``"other"``: a roster member that is not rank 0. A share of the kills
+                    (``BURST_SHARE``, drawn apart from the rest of the plan) are *bursts*:
+                    the next event follows within 0.3 s, without waiting for the job to
+                    re-form, so it lands in the middle of the reset.
 * ``term``          SIGTERM a peer (graceful leave; exits 0); ``target`` as for kill.
 * ``drain``         ``peer-elastic drain <member id>`` of a running peer (roster or standby):
                     the same graceful leave asked for from outside; it must exit 0.
@@ -45,7 +48,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -108,7 +111,7 @@ class SEvent(Event):
     target: str = ""  # kill/term: "leader" (rank 0 of the newest generation), "other" (a
     #                   roster member that is not rank 0) or "" (any running peer)
 
-    def describe(self) -> str:
+    def _describe(self) -> str:
         if self.kind in ("set_max", "set_min"):
             return f"#{self.index} {self.kind}={self.value}"
         if self.kind == "stop_short":
@@ -117,7 +120,7 @@ class SEvent(Event):
             return f"#{self.index} train {self.value} STEP positions"
         if self.kind in ("kill", "term") and self.target:
             return f"#{self.index} {self.kind} {self.target}"
-        return super().describe()
+        return super()._describe()
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ class Plan:
 WEIGHTS = {"kill": 3, "kill_leader": 2, "term": 2, "drain": 1, "add": 3, "set_max": 2, "set_min": 1,
            "pause": 1, "stop_short": 2, "stop": 1, "etcd_member": 1, "etcd_all": 1, "hang": 1}
 PAUSED_KINDS = ("add", "stop_short", "etcd_member", "resume")
+#: The share of kills after which the next event follows at once, in the middle of the reset.
+BURST_SHARE = 0.35
 
 
 def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, max_np: int = 3,
@@ -156,6 +161,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     if hang is None:
         hang = hang_detection() is not None
     rng = random.Random(seed)
+    # Which kills are bursts: drawn apart, so that the rest of a seed's plan stays as it was.
+    bursts = random.Random(f"{seed}/burst")
     pattern = make_pattern(rng)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
@@ -173,7 +180,10 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
         elif kind == "etcd_all":
             hold, hard = rng.uniform(0.5, LEASE_TTL_S + 1.0), rng.random() < 0.5
         gap = round(rng.uniform(0.0, 1.0), 2)
-        out.append(SEvent(len(out), kind, pick, round(hold, 2), hard, gap, **kw))
+        burst = kind == "kill" and bursts.random() < BURST_SHARE
+        if burst:
+            gap = round(bursts.uniform(0.0, 0.3), 2)
+        out.append(SEvent(len(out), kind, pick, round(hold, 2), hard, gap, burst, **kw))
 
     def can_lose_one() -> bool:
         return min(live - 1, mx) >= mn
@@ -217,6 +227,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
             emit("resume")
         else:  # stop, stop_short, etcd_*: nobody is gone afterwards
             emit(kind)
+    if out[-1].burst:  # nothing follows to land mid-reset
+        out[-1] = replace(out[-1], burst=False)
     if paused:
         emit("resume")
     if mn != min_np:  # lower first: min_np <= max_np holds after every single change
