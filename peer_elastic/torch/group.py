@@ -191,9 +191,9 @@ class GroupManager:
                 with GroupConnections.capture(exclude=self._is_etcd) as connections:
                     dist.init_process_group(
                         self.backend, store=store, rank=a.rank, world_size=a.size,
-                        timeout=timedelta(seconds=self.init_timeout_s()),
+                        timeout=timedelta(seconds=self.init_timeout_s(a.size)),
                     )
-                    self._set_group_timeout()
+                    self._set_group_timeout(a.size)
             except Exception as exc:
                 reason = self._abort_reason(pending)
                 log.info("forming generation %d failed (%s): %s", a.generation,
@@ -215,25 +215,28 @@ class GroupManager:
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
 
-    def init_timeout_s(self) -> float:
-        """The group timeout while ``init_process_group`` connects the ranks.
+    def init_timeout_s(self, size: int) -> float:
+        """The group timeout while ``init_process_group`` connects ``size`` ranks.
 
         Past the commit point every member is on its way into the rendezvous, so its waits
         and connections take milliseconds among live peers. A member killed in the middle
         leaves the others waiting inside gloo, out of reach, for five times the group timeout
         (measured on torch 2.13: 150 s at the default 30 s). So the group is formed with
-        this shorter timeout, at least 5 s and four times ``join_timeout_s`` (how long a
-        peer may stay silent before it counts as lost), and given the collective timeout
-        once formed. Where torch cannot change a group's timeout afterwards, it is the
-        collective timeout throughout.
+        this shorter timeout and given the collective timeout once formed: at least 5 s and
+        four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
+        lost), plus 20 ms per rank (each rank reads every other rank's address from etcd,
+        one round trip each, before it has connected to all). Never more than the
+        collective timeout; where torch cannot change a group's timeout afterwards, it is
+        the collective timeout throughout.
         """
         if _SET_GROUP_TIMEOUT is None:
             return self.collective_timeout_s
         join_timeout_s = float(self.coordinator.config.join_timeout_s or 1.0)
-        return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s))
+        return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s) + 0.02 * size)
 
-    def _set_group_timeout(self) -> None:
-        if _SET_GROUP_TIMEOUT is not None and self.init_timeout_s() < self.collective_timeout_s:
+    def _set_group_timeout(self, size: int) -> None:
+        if (_SET_GROUP_TIMEOUT is not None
+                and self.init_timeout_s(size) < self.collective_timeout_s):
             _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
 
     # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
