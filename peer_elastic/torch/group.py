@@ -226,10 +226,11 @@ class GroupManager:
         four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
         lost), plus 20 ms per rank (each rank reads every other rank's address from etcd,
         one round trip each, before it has connected to all). Never more than the
-        collective timeout; where torch cannot change a group's timeout afterwards, it is
-        the collective timeout throughout.
+        collective timeout. Under nccl (which connects at the first collective, and whose
+        timeout also drives its watchdog), and where torch cannot change a group's timeout
+        afterwards, it is the collective timeout throughout.
         """
-        if _SET_GROUP_TIMEOUT is None:
+        if _SET_GROUP_TIMEOUT is None or self.backend != "gloo":
             return self.collective_timeout_s
         join_timeout_s = float(self.coordinator.config.join_timeout_s or 1.0)
         return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s) + 0.02 * size)

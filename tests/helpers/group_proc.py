@@ -4,7 +4,8 @@ Usage: python -m tests.helpers.group_proc  (etcd, job and settings from PEER_ELA
 
 Prints one line per fact, flushed: ``MEMBER <id>``, ``FORMED <generation> <rank> <size>``,
 ``SUM <generation> <value>`` (a 1-element all-reduce of ones on the new group),
-``BROKEN <generation> <error>`` when that all-reduce failed, ``SUPERSEDED <generation>``.
+``BROKEN <generation> <error>`` when that all-reduce failed, ``SUPERSEDED <generation>``,
+``TIMEOUT <generation> <seconds>``: the formed group's collective timeout.
 
 ``GROUP_PROC_SUPERSEDE=K`` makes the supersession of a generation during its rendezvous
 certain instead of a race, in this peer's first K rendezvous: once
@@ -93,6 +94,8 @@ def main() -> int:
             group = groups.form(after=last)
             last = group.generation
             print(f"FORMED {last} {group.assignment.rank} {group.assignment.size}", flush=True)
+            gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            print(f"TIMEOUT {last} {gloo.options._timeout.total_seconds():g}", flush=True)
             ones = torch.ones(1)
             try:
                 dist.all_reduce(ones)
