@@ -13,9 +13,10 @@ Then the barrier has *committed*: every member goes on to form the group, and no
 up on it merely because a newer generation exists (it forms, and the next check leaves it).
 A member that wants to give up first *withdraws*: in one transaction its key is deleted
 unless every other key exists, in which case the barrier committed after all and it goes
-on too. A withdrawn member never arrives again at the same barrier, so no revision after
-a withdrawal holds every key, and once one revision does, every withdrawal fails: either
-every member sees the commit, or none does.
+on too. Keys go only by withdrawal, and a withdrawal needs another key missing: so once one
+revision holds every key, every later withdrawal fails, and a member that withdrew for good
+keeps every later revision from holding every key. Either every member sees the commit, or
+none does (a member that withdrew and arrives again simply waits like the others).
 """
 
 from __future__ import annotations
