@@ -114,3 +114,21 @@ def test_every_member_commits_or_none_does(client: EtcdClient, unique_job: str,
             assert committed == len(members), (round_, plan, got)
         committed_rounds += committed > 0
     print(f"seed {seed}: {committed_rounds} of 8 rounds committed")
+
+
+def test_a_withdrawal_retried_after_its_answer_was_lost_still_withdraws(
+        client: EtcdClient, unique_job: str) -> None:
+    """The client retries a transaction whose answer was lost. If the first attempt
+    withdrew and the last member arrived before the retry, the retry must not report a
+    commit: its own key is gone, and the others wait for it."""
+    prefix = arrivals(unique_job, 1)
+    with EtcdStore(client, prefix) as store:
+        store.set("m0", b"")
+        assert store.delete_unless_all_exist("m0", ["m1", "m2"])  # the first attempt
+        for m in ("m1", "m2"):
+            store.set(m, b"")
+        assert store.delete_unless_all_exist("m0", ["m1", "m2"])  # the retry: still gone
+        assert client.get(prefix + "m0") is None
+        # Whereas with its key and every other there, it stays: the barrier committed.
+        store.set("m0", b"")
+        assert not store.delete_unless_all_exist("m0", ["m1", "m2"])

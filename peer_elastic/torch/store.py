@@ -386,12 +386,14 @@ class EtcdStore(dist.Store):
         return self._client.delete(self._key(key)) > 0
 
     def delete_unless_all_exist(self, key: str, others: Sequence[str]) -> bool:
-        """Delete ``key`` unless every one of ``others`` exists, atomically; True iff it
-        was deleted (or was not there). Not part of torch's API: the withdrawal of
-        :mod:`peer_elastic.torch.barrier`."""
-        if not others:
-            return False
-        ok, _ = self._client.txn([Txn.version(self._key(k)) > 0 for k in others], [],
+        """Delete ``key`` unless it and every one of ``others`` exist, atomically; True iff
+        it is gone afterwards. Not part of torch's API: the withdrawal of
+        :mod:`peer_elastic.torch.barrier`.
+
+        ``key`` is among the compares so that a retry whose first attempt deleted it (and
+        lost the answer) still answers True, even if the others all exist by then.
+        """
+        ok, _ = self._client.txn([Txn.version(self._key(k)) > 0 for k in (key, *others)], [],
                                  [Txn.delete(self._key(key))])
         return not ok
 
