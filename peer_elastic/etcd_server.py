@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from peer_elastic.owned_dirs import add_owner, make_owned_dir
 from peer_elastic.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD_BINARY
 
@@ -80,6 +81,10 @@ class EtcdStartError(RuntimeError):
 
 
 # --- binary and ports ---------------------------------------------------------------------
+
+
+#: What the temp dirs of embedded etcds are called (``<prefix><name>-<random>``).
+WORK_DIR_PREFIX = "peer-elastic-etcd-"
 
 
 def _is_executable_file(path: str | os.PathLike[str]) -> bool:
@@ -514,7 +519,11 @@ class EtcdServer:
     def _make_work_dir(self) -> None:
         """Create the temp dir for whatever (data, log) the caller did not place."""
         if self._work_dir is None and (self._owns_data or self._owns_log):
-            self._work_dir = Path(tempfile.mkdtemp(prefix=f"peer-elastic-etcd-{self.name}-"))
+            if self.keep_data:  # the caller keeps it after stop(): never swept
+                self._work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{self.name}-"))
+            else:  # removed by stop(), or by a later server once its owners are gone
+                self._work_dir = make_owned_dir(f"{WORK_DIR_PREFIX}{self.name}-",
+                                                sweep_prefix=WORK_DIR_PREFIX)
             if self._owns_data:
                 self._data_dir = self._work_dir / "data"  # etcd creates it, mode 0700
             if self._owns_log:
@@ -544,6 +553,8 @@ class EtcdServer:
         except BaseException:
             self._close_log()
             raise
+        if self._work_dir is not None and not self.keep_data:
+            add_owner(self._work_dir, self._proc.pid)
 
     def send_signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the running process by PID (nothing if it is not running)."""

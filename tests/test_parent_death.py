@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from peer_elastic.etcd_server import WORK_DIR_PREFIX
+from peer_elastic.owned_dirs import sweep
 from peer_elastic.parent_death import die_with_parent
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -66,7 +68,7 @@ def _kill_leftovers(pids: list[int]) -> None:
 
 def _etcd_serving(url: str) -> tuple[int, Path]:
     """The pid of the etcd process serving ``url`` (found by its command line), and the temp
-    dir its launcher made for it (nobody is left to remove it: the test does)."""
+    dir its launcher made for it (nobody is left to remove it but a later sweep)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -155,6 +157,11 @@ def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
         _kill_launcher_and_wait(launcher, children)
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://{endpoint}/health", timeout=2)
+        # Its temp dir stays (nobody was left to remove it) until the next server sweeps
+        # it: the launcher and its etcd, the dir's owners, have both exited.
+        assert work_dir is not None and work_dir.exists()
+        assert work_dir in sweep(WORK_DIR_PREFIX)
+        assert not work_dir.exists()
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
