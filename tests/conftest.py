@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -40,6 +41,9 @@ from peer_elastic.etcd_server import (
     free_port,
 )
 from peer_elastic.testing import EtcdCluster
+
+if TYPE_CHECKING:
+    from peer_elastic.etcd.client import EtcdClient
 
 pytest_plugins = ("pytester",)
 
@@ -171,6 +175,18 @@ def etcd(_session_etcd_endpoint: str) -> str:
     restart or compact it (take ``fresh_etcd`` for that).
     """
     return _session_etcd_endpoint
+
+
+@pytest.fixture
+def client(etcd: str) -> Iterator[EtcdClient]:
+    """An :class:`EtcdClient` of the shared etcd, closed after the test."""
+    from peer_elastic.etcd.client import EtcdClient  # grpc: only for the tests that use it
+
+    c = EtcdClient(etcd)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 @pytest.fixture

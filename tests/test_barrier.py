@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -18,15 +17,6 @@ from peer_elastic.torch.barrier import Arrival, BarrierResult, pass_barrier
 from peer_elastic.torch.store import EtcdStore
 
 MEMBERS = ("m0", "m1", "m2")
-
-
-@pytest.fixture
-def client(etcd: str) -> Iterator[EtcdClient]:
-    c = EtcdClient(etcd)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def arrivals(unique_job: str, n: int) -> str:

@@ -46,15 +46,6 @@ BENCH_ENV = "PEER_ELASTIC_BENCH"
 
 
 @pytest.fixture
-def client(etcd: str) -> Iterator[EtcdClient]:
-    c = EtcdClient(etcd)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
 def prefix(unique_job: str) -> str:
     return RunKeys(unique_job, "run0").store_prefix(1)
 

@@ -187,13 +187,16 @@ class GroupManager:
                 continue
             store = self._store = self._new_store(
                 pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE)
+            init_timeout_s = self.init_timeout_s(a.size)
             try:
                 with GroupConnections.capture(exclude=self._is_etcd) as connections:
                     dist.init_process_group(
                         self.backend, store=store, rank=a.rank, world_size=a.size,
-                        timeout=timedelta(seconds=self.init_timeout_s(a.size)),
+                        timeout=timedelta(seconds=init_timeout_s),
                     )
-                    self._set_group_timeout(a.size)
+                    if init_timeout_s < self.collective_timeout_s:
+                        assert _SET_GROUP_TIMEOUT is not None  # else init_timeout_s is that
+                        _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
             except Exception as exc:
                 reason = self._abort_reason(pending)
                 log.info("forming generation %d failed (%s): %s", a.generation,
@@ -234,11 +237,6 @@ class GroupManager:
             return self.collective_timeout_s
         join_timeout_s = float(self.coordinator.config.join_timeout_s or 1.0)
         return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s) + 0.02 * size)
-
-    def _set_group_timeout(self, size: int) -> None:
-        if (_SET_GROUP_TIMEOUT is not None
-                and self.init_timeout_s(size) < self.collective_timeout_s):
-            _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
 
     # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
 
