@@ -24,6 +24,7 @@ from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.leader import EVENTS_KEPT
 from peer_elastic.etcd.lease import LeaseKeeper
+from peer_elastic.etcd.writer import RunWriter
 from peer_elastic.etcd_server import EtcdServer
 from peer_elastic.records import (
     EventRecord,
@@ -317,6 +318,22 @@ def test_the_leader_prunes_the_event_log_to_the_newest_events(clients, coords,
     assert names[0] not in kept  # the oldest go
     # Newer events than the test's (the peer's own) are kept too.
     assert any(e.kind == "joined" for e in events_of(observer, a.keys))
+
+
+def test_a_prune_decided_on_a_stale_count_keeps_the_newest(clients, unique_job) -> None:
+    # The leader decides to prune from its view's count, which may not include an earlier
+    # prune's deletes yet: two prunes decided on the same stale count once deleted twice the
+    # excess, and under load (one stale count after another) the newest events too. The
+    # writer now counts the excess in etcd, so a repeat deletes nothing.
+    client = clients()
+    keys = JobKeys(unique_job).run("r1")
+    lease = client.grant(60)
+    names = _put_events(client, keys, lease, 300, "e", time.time_ns() - 10**12)
+    writer = RunWriter(client, keys, lease, "m-1")
+    assert writer.prune_events(keep=100) == 200
+    assert writer.prune_events(keep=100) == 0  # the same decision again, on a stale view
+    kvs, _ = client.get_prefix(keys.events_prefix)
+    assert [kv.key for kv in kvs] == names[-100:]
 
 
 # --- item 9: smaller items ----------------------------------------------------------------

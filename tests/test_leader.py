@@ -41,8 +41,9 @@ class FakeWrites:
     def event(self, kind, detail="", member_id=None, generation=0):  # noqa: ANN001, ANN201
         self.calls.append(("event", kind))
 
-    def prune_events(self, count: int) -> None:
-        self.calls.append(("prune", count))
+    def prune_events(self, keep: int) -> int:
+        self.calls.append(("prune", keep))
+        return 0
 
     def write_done(self, success, reason, cause, generation, timeout_s=None):  # noqa: ANN001, ANN201
         self.calls.append(("done", success, cause))
@@ -176,7 +177,7 @@ def test_event_log_is_pruned_once_ten_percent_over_the_cap() -> None:
     s = snap(["a-1"], gen=(1, ["a-1"]), event_count=111)
     la.step(s, 5.0)
     la.step(dataclasses.replace(s, version=2), 6.0)  # not again before the view saw it
-    assert wa.calls == [("prune", 11)]
+    assert wa.calls == [("prune", 100)]
 
 
 @pytest.mark.parametrize(("cause", "reason", "error"), [

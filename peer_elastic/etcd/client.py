@@ -532,6 +532,16 @@ class EtcdClient:
 
         return self._call(do, f"list keys {prefix}")
 
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys lie under ``prefix`` now (counted by etcd; nothing is read)."""
+
+        def do() -> int:
+            resp = self._raw.get_prefix_response(prefix, count_only=True)
+            self.note_header(resp.header)
+            return int(resp.count)
+
+        return self._call(do, f"count keys {prefix}")
+
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         """Store ``value``; returns the revision of the write."""
 

@@ -58,7 +58,7 @@ class LeaderWrites(Protocol):
     def event(self, kind: str, detail: str = "", member_id: str | None = None,
               generation: int = 0) -> None: ...
 
-    def prune_events(self, count: int) -> None: ...
+    def prune_events(self, keep: int) -> int: ...
 
     def write_done(self, success: bool, reason: str, cause: int, generation: int,
                    timeout_s: float | None = None) -> bool: ...
@@ -279,13 +279,14 @@ class Leader:
         """Delete the oldest events beyond ``events_kept`` (keys sort by time).
 
         Unbounded, the log would outgrow what one read may carry and what etcd should hold.
-        Runs when 10% over the cap, so it costs two requests per cap/10 events; not again
-        until the view has seen the deletes (a stale count would delete too much).
+        Runs when the view counts 10% over the cap, so it costs three requests per cap/10
+        events, and not again at the same count. The writer counts the excess in etcd: the
+        view may not have seen an earlier prune's deletes yet.
         """
         assert self.writer is not None
         keep = max(1, self.events_kept)
         count = snap.event_count
         if count <= keep + max(1, keep // 10) or count == self._pruned_at_count:
             return
-        self.writer.prune_events(count - keep)
+        self.writer.prune_events(keep)
         self._pruned_at_count = count

@@ -115,13 +115,25 @@ class RunWriter:
         except EtcdError as exc:
             log.debug("event not recorded: %s", exc)
 
-    def prune_events(self, count: int) -> None:
-        """Delete the ``count`` oldest events (keys sort by time)."""
+    def prune_events(self, keep: int) -> int:
+        """Delete the oldest events (keys sort by time) until at most ``keep`` remain;
+        returns how many were deleted.
+
+        The excess is counted in etcd, not taken from the caller's view: a view that has not
+        yet seen an earlier prune's deletes counts too many, and deleting by that count
+        removed the newest events too (measured: the whole log, under load).
+        """
         prefix = self.keys.events_prefix
-        oldest = self.client.first_keys(prefix, count)
-        if oldest:
-            self.client.txn([], [Txn.delete_range(prefix, oldest[-1] + "\0")])
-            log.info("event log: deleted the %d oldest events", len(oldest))
+        excess = self.client.count_prefix(prefix) - keep
+        if excess <= 0:
+            return 0
+        oldest = self.client.first_keys(prefix, excess)
+        if not oldest:
+            return 0
+        # Events written since the count are newer than every key deleted here.
+        self.client.txn([], [Txn.delete_range(prefix, oldest[-1] + "\0")])
+        log.info("event log: deleted the %d oldest events", len(oldest))
+        return len(oldest)
 
     # -- the end of the run -----------------------------------------------------------------------
 
