@@ -15,7 +15,7 @@ when every run passed; the failing seeds are printed for replay.
 API pattern plus events, tests/helpers/schedules.py), many seeds in a row; each run's verdict
 says whether a failure is one of issue 9's still-open parts (``expected``) or new:
 
-    python benchmarks/soak.py --schedules --runs 20 [--events 8] [--seed N]
+    python benchmarks/soak.py --schedules --runs 20 [--events 8] [--seed N] [--hosts 3]
     PEER_ELASTIC_SCHEDULE_SEED=N python -m pytest tests/test_schedules.py -s   # replay one
 """
 
@@ -32,19 +32,23 @@ sys.path.insert(0, str(ROOT))
 
 from peer_elastic.testing import EtcdCluster  # noqa: E402
 from tests.helpers.chaos import ChaosFailure, events_from_env, run_chaos, seed_from_env  # noqa: E402
+from tests.helpers.hosts import Hosts  # noqa: E402
 from tests.helpers.schedules import fresh_seeds, make_plan, run_plan  # noqa: E402
 
 
-def soak_schedules(seed: int, runs: int, events: int, log_root: Path) -> int:
-    """``runs`` schedules with seeds seed..seed+runs-1; 1 when any failed."""
+def soak_schedules(seed: int, runs: int, events: int, log_root: Path,
+                   hosts: Hosts | None = None) -> int:
+    """``runs`` schedules with seeds seed..seed+runs-1 (the peers spread over ``hosts``
+    when given); 1 when any failed."""
     verdicts: dict[str, list[int]] = {"PASSED": [], "FAILED": []}
+    bridge = [hosts.bridge_ip4] if hosts is not None else []
     for run in range(runs):
         s = seed + run
         t0 = time.monotonic()
         plan = make_plan(s, events)
-        with EtcdCluster(3) as etcd:
+        with EtcdCluster(3, extra_client_hosts=bridge) as etcd:
             oc = run_plan(etcd, f"soak-sched-{s}", plan, log_root / f"work-{s}",
-                          log_dir=log_root / f"schedule-{s}")
+                          log_dir=log_root / f"schedule-{s}", hosts=hosts)
         verdict = "PASSED" if oc.passed else "FAILED"
         verdicts[verdict].append(s)
         print(f"SOAK schedule {run + 1}/{runs} seed {s}: {verdict} in "
@@ -53,7 +57,8 @@ def soak_schedules(seed: int, runs: int, events: int, log_root: Path) -> int:
             print(oc.report(), flush=True)
     print(f"SOAK schedules: {len(verdicts['PASSED'])} passed, {len(verdicts['FAILED'])} "
           f"failed {verdicts['FAILED']}; replay one with PEER_ELASTIC_SCHEDULE_SEED=<seed> "
-          f"PEER_ELASTIC_SCHEDULE_EVENTS={events} pytest tests/test_schedules.py -s", flush=True)
+          f"PEER_ELASTIC_SCHEDULE_EVENTS={events} pytest tests/test_schedules.py -s"
+          + (" -k several_hosts" if hosts is not None else ""), flush=True)
     return 1 if verdicts["FAILED"] else 0
 
 
@@ -69,13 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", action="store_true",
                     help="soak the model-based schedules (tests/test_schedules.py) instead "
                          "(default events 8)")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="with --schedules: spread the peers over this many hosts (network "
+                         "namespaces, tests/helpers/hosts.py; needs root)")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else seed_from_env()
     log_root = Path(args.log_dir or tempfile.mkdtemp(prefix="peer-elastic-soak-"))
     if args.schedules:
         if args.seed is None:
             seed = fresh_seeds(1)[0]  # $PEER_ELASTIC_SCHEDULE_SEED, else random
-        return soak_schedules(seed, args.runs, args.events or 8, log_root)
+        if not args.hosts:
+            return soak_schedules(seed, args.runs, args.events or 8, log_root)
+        with Hosts(args.hosts) as hosts:
+            return soak_schedules(seed, args.runs, args.events or 8, log_root, hosts)
     events = args.events if args.events is not None else events_from_env(default=200)
     failed: list[int] = []
     for run in range(args.runs):

@@ -8,6 +8,11 @@ Every run draws fresh seeds (printed as ``SCHEDULE SEED <seed>``, and in the tes
     PEER_ELASTIC_SCHEDULE_SEED=123 python -m pytest tests/test_schedules.py -s   # replay one
     PEER_ELASTIC_SCHEDULE_EVENTS=20 ...                                          # longer ones
     python benchmarks/soak.py --schedules --runs 20                              # soak many
+    python benchmarks/soak.py --schedules --runs 20 --hosts 3                    # on 3 hosts
+
+``test_schedule_exactly_once_on_several_hosts`` runs one more fresh seed with the peers spread
+over three hosts (network namespaces, tests/helpers/hosts.py; needs root, else skipped),
+where a stop of a peer alone on its host cuts that host off instead.
 
 Generator and runner: tests/helpers/schedules.py.
 """
@@ -15,12 +20,13 @@ Generator and runner: tests/helpers/schedules.py.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from peer_elastic.testing import EtcdCluster
+from tests.helpers.hosts import Hosts, NetnsUnavailable, unavailable_reason
 from tests.helpers.schedules import (
     events_from_env,
     fresh_seeds,
@@ -30,6 +36,7 @@ from tests.helpers.schedules import (
 )
 
 SEEDS = fresh_seeds(2)
+HOST_SEEDS = fresh_seeds(1)
 N_EVENTS = events_from_env(6)
 
 
@@ -95,3 +102,46 @@ def test_schedule_exactly_once(seed: int, etcd_cluster: EtcdCluster, unique_job:
     print(oc.report())
     if not oc.passed:
         pytest.fail(oc.report(), pytrace=False)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"several hosts: {reason}")
+    try:
+        hs = Hosts(3).create()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"several hosts: {exc}")
+    try:
+        yield hs
+    finally:
+        hs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("seed", HOST_SEEDS, ids=[f"seed{s}" for s in HOST_SEEDS])
+def test_schedule_exactly_once_on_several_hosts(seed: int, hosts: Hosts, unique_job: str,
+                                                tmp_path: Path,
+                                                record_property: Callable[[str, object], None]
+                                                ) -> None:
+    # The same generated plans, with the peers spread over three hosts (network namespaces
+    # with their own addresses and hostnames, tests/helpers/hosts.py; etcd on their
+    # bridge): group addresses, crash evidence and abandoned collectives go between hosts.
+    record_property("schedule_seed", seed)
+    plan = make_plan(seed, N_EVENTS)
+    etcd = EtcdCluster(3, extra_client_hosts=[hosts.bridge_ip4]).start()
+    try:
+        oc = run_plan(etcd, unique_job, plan, tmp_path / "work", hosts=hosts,
+                      log_dir=tmp_path / f"schedule-{seed}")
+    finally:
+        etcd.stop()
+    print(oc.report())
+    if not oc.passed:
+        pytest.fail(oc.report(), pytrace=False)
+    # Each peer registered from the host it was placed on (a member id begins with the
+    # hostname its process saw), and the job spanned every host.
+    placed = {m: p.proc.name.split("@")[1] for p in oc.runner.peers for m in p.members}
+    assert all(m.startswith(f"{host}-") for m, host in placed.items()), placed
+    assert set(placed.values()) == {h.name for h in hosts.hosts}, placed

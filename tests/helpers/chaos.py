@@ -42,13 +42,14 @@ import signal
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
 from peer_elastic.testing import EtcdCluster
+from tests.helpers.hosts import Host, Hosts
 from tests.helpers.procs import Cluster, PeerProc
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
@@ -232,6 +233,7 @@ class Tracked:
     gen: tuple[int, int, int] | None = None  # its latest GEN line: (generation, rank, size)
     stops: int = 0
     scanned: int = 0  # lines of proc.lines parsed so far
+    host: Host | None = None  # the host it runs on (the runner's ``hosts``), else None
     exited_0_at: float | None = None  # exited 0 before we saw the RESULT line
 
     @property
@@ -287,8 +289,12 @@ class ChaosRunner:
     def __init__(self, seed: int, schedule: list[Event], etcd: EtcdCluster, job: str, *,
                  peers: int = 5, min_np: int = 2, max_np: int = 4, epochs: int | None = None,
                  progress_steps: int = 3, progress_timeout_s: float = 120.0,
-                 out: Callable[[str], None] = print, **settings: object) -> None:
+                 out: Callable[[str], None] = print, hosts: Hosts | None = None,
+                 **settings: object) -> None:
         self.seed = seed
+        # With ``hosts`` every peer runs on one of them (round robin, in start order): its
+        # own network namespace, address and hostname, etcd reached over their bridge.
+        self.hosts = hosts
         self.schedule = schedule
         self.etcd = etcd
         self.n_peers, self.min_np, self.max_np = peers, min_np, max_np
@@ -350,8 +356,14 @@ class ChaosRunner:
         # the peers talking to it and not the others.
         eps = self.etcd.endpoints
         k = len(self.peers) % len(eps)
-        (proc,) = self.cluster.start(1, PEER_ELASTIC_ETCD=",".join(eps[k:] + eps[:k]))
-        t = Tracked(proc, time.monotonic())
+        if self.hosts is None:
+            (proc,) = self.cluster.start(1, PEER_ELASTIC_ETCD=",".join(eps[k:] + eps[:k]))
+        else:
+            host = self.hosts.hosts[len(self.peers) % len(self.hosts.hosts)]
+            bridged = [f"{self.hosts.bridge_ip4}:{m.client_port}" for m in self.etcd.members]
+            (proc,) = self.cluster.start(1, wrap=host.exec_args, where=host.name,
+                                         PEER_ELASTIC_ETCD=",".join(bridged[k:] + bridged[:k]))
+        t = Tracked(proc, time.monotonic(), host=None if self.hosts is None else host)
         self.peers.append(t)
         return t
 
@@ -616,18 +628,41 @@ class ChaosRunner:
         self.check()  # asserts its exit code 0
         self._settle_after_departure(ev, a, g0, in_roster)
 
+    def lone_host(self, p: Tracked) -> Host | None:
+        """``p``'s host when no other peer process lives there (several hosts only): cutting
+        that host off then takes away ``p`` alone, as a SIGSTOP of ``p`` would."""
+        if p.host is None or any(q is not p and q.host is p.host and q.proc.proc.poll() is None
+                                 for q in self.peers):
+            return None
+        return p.host
+
+    @contextlib.contextmanager
+    def held(self, p: Tracked) -> Iterator[str]:
+        """Take ``p`` away while the block runs: its host cut off from everything (a silent
+        drop) when it is alone there, else SIGSTOP; yields which."""
+        host = self.lone_host(p)
+        assert self.hosts is not None or host is None
+        p.state, p.stops = "stopped", p.stops + 1
+        if host is not None:
+            self.hosts.cut(host)  # type: ignore[union-attr]
+        else:
+            p.proc.signal(signal.SIGSTOP)
+        try:
+            yield f"{host.name} cut off" if host is not None else "SIGSTOP"
+        finally:
+            if host is not None:
+                self.hosts.heal(host)  # type: ignore[union-attr]
+            else:
+                p.proc.signal(signal.SIGCONT)
+            p.state = "running"
+
     def _do_stop(self, ev: Event, a: Applied) -> None:
         p, in_roster = self._pick(ev, a)
         g0, registrations = self.max_gen, len(p.members)
-        p.state, p.stops = "stopped", p.stops + 1
-        p.proc.signal(signal.SIGSTOP)
-        try:
+        with self.held(p) as how:
             self.sleep(ev.hold_s)
-        finally:
-            p.proc.signal(signal.SIGCONT)
-            p.state = "running"
-        a.detail = f"SIGCONT after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
-        # Stopped past its TTL, it lost its lease: it must come back as a new member.
+        a.detail = f"{how}, back after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
+        # Away past its TTL, it lost its lease: it must come back as a new member.
         if not self.wait_for(f"{p.name} to re-register after SIGCONT",
                              lambda: len(p.members) > registrations, peers=[p]):
             return

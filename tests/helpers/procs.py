@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,11 +104,16 @@ class Cluster:
         self.peers: list[PeerProc] = []
 
     def start(self, n: int = 1, module: str = "tests.helpers.elastic_worker",
+              wrap: Callable[[list[str]], list[str]] | None = None, where: str = "",
               **extra_env: object) -> list[PeerProc]:
+        """Start ``n`` peers; ``wrap`` turns the command into one run elsewhere (another
+        host's namespaces, :meth:`tests.helpers.hosts.Host.exec_args`), named ``where``."""
         out = []
         for _ in range(n):
             env = dict(self.env, **{k: str(v) for k, v in extra_env.items()})
-            p = PeerProc([sys.executable, "-m", module], env, f"peer{len(self.peers)}")
+            argv = [sys.executable, "-m", module]
+            p = PeerProc(argv if wrap is None else wrap(argv), env,
+                         f"peer{len(self.peers)}{'@' + where if where else ''}")
             self.peers.append(p)
             out.append(p)
         return out

@@ -27,6 +27,9 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
 * ``stop_short``    SIGSTOP shorter than ``join_timeout_s``, then SIGCONT (nobody is dropped).
 * ``stop``          SIGSTOP longer than ``join_timeout_s`` and the lease TTL, then SIGCONT
                     (the peer loses its lease and comes back as a new member).
+                    On several hosts (``hosts=``: every peer on one of them, round robin) a
+                    peer alone on its host is taken away by cutting that host off instead
+                    (a silent drop of every packet, then healed), for both kinds of stop.
 * ``hang``          the training thread of a roster peer blocks forever while its process
                     lives (``WORKER_HANG_FILE``). Only generated when the library has hang
                     detection (:func:`hang_detection`); the others must train again within
@@ -43,7 +46,6 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -395,13 +397,10 @@ class ScheduleRunner(ChaosRunner):
         a.target = f"{p.name}/pid {p.pid}"
         a.role = "roster" if p in self.roster() else "standby"
         g0, regs = self.max_gen, len(p.members)
-        p.proc.signal(signal.SIGSTOP)
-        try:
-            time.sleep(ev.hold_s)  # the event itself: how long it stays stopped
-        finally:
-            p.proc.signal(signal.SIGCONT)
+        with self.held(p) as how:
+            time.sleep(ev.hold_s)  # the event itself: how long it stays away
         self.wait_progress(ev.describe())
-        a.detail = (f"SIGCONT after {ev.hold_s:.1f}s (join timeout {JOIN_TIMEOUT_S}s); "
+        a.detail = (f"{how}, back after {ev.hold_s:.1f}s (join timeout {JOIN_TIMEOUT_S}s); "
                     f"generation {g0} -> {self.max_gen}, re-registered {len(p.members) > regs}")
 
     def _do_hang(self, ev: Event, a: Applied) -> None:
