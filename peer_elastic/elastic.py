@@ -52,6 +52,7 @@ from peer_elastic.liveness import TrainingWatch
 from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.torch.abort import HangWatchdog
+from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
 from peer_elastic.torch.pending_check import PendingCheck
@@ -90,8 +91,10 @@ class Peer:
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None
-        # The generation exchange a plain check issued, completed at the next check.
+        # The generation exchange a plain check issued, completed at the next check that
+        # exchanges: every check, or every P-th when checks come fast (check_cadence).
         self._pending = PendingCheck()
+        self._cadence = CheckCadence()
         # Or, in a job averaging gradients with DistributedOptimizer, the same bit carried by
         # the step's gradient all-reduce: then a check runs no collective of its own.
         self._vote = ResetVote(self._ballot)
@@ -166,7 +169,10 @@ class Peer:
         A plain check completes the generation exchange the previous check issued
         (:mod:`peer_elastic.torch.pending_check`) and issues the next one, so it waits on
         nobody unless a rank is behind: every rank completes the same op at the same call
-        and so decides the same there, one check after a rank first saw the change. When a
+        and so decides the same there, one check after a rank first saw the change. When
+        checks come faster than an exchange is worth, only every P-th plain check exchanges
+        (P agreed by the exchange, the same on every rank; at most 20 ms of checks,
+        :mod:`peer_elastic.torch.check_cadence`); the others return at once. When a
         ``DistributedOptimizer`` step ran since the last check, its gradient all-reduce
         already carried the same bit (:mod:`peer_elastic.torch.reset_vote`): the check takes
         that and issues nothing, so it runs no collective at all.
@@ -193,6 +199,11 @@ class Peer:
         voted = self._vote.take(group)
         if voted is False and not committing and not self._pending.pending:
             return  # the step's gradient all-reduce said: nobody wants a reset
+        if voted is None and not committing and self._pending.pending \
+                and not self._cadence.due():
+            self.stats.count("checks_spaced")
+            return  # between two exchanges: the same calls on every rank (check_cadence)
+        exchange_t0 = time.perf_counter()
         snap = self.coordinator.snapshot()
         want = self._wanted(group, snap)[0]
         # Complete the op of the previous check first (also before a commit), so every rank
@@ -203,7 +214,10 @@ class Peer:
         reset_due = reset_due or bool(voted)
         if not committing and not reset_due:
             if voted is None:  # no step carried the bit: exchange it ourselves
-                self._pending.issue(group, want, self.device)
+                self.stats.count("check_exchanges")
+                self._pending.issue(group, want, self.device, self._cadence.proposal())
+                self._cadence.exchanged(time.perf_counter() - exchange_t0,
+                                        previous.period if previous is not None else 1)
             return
         local = state is not None and state.has_local_progress()
         buf = self._check_buf

@@ -181,7 +181,7 @@ class _CoordinatorStats:
     counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
     (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
     did; collectives_abandoned: what its hang watchdog did; snapshots_*: its durable
-    snapshot writer)."""
+    snapshot writer; check_exchanges, checks_spaced: its plain checks)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
@@ -194,6 +194,9 @@ class _CoordinatorStats:
         "snapshots_failed": "Durable snapshots this peer failed to write (training went on)",
         "snapshots_skipped": "Due durable snapshots this peer skipped because the previous "
                              "write was still in flight",
+        "check_exchanges": "Plain checks that exchanged the newest generation with the group",
+        "checks_spaced": "Plain checks that returned without an exchange, between two "
+                         "(checks coming faster than an exchange is worth)",
     }
 
     def __init__(self, peer: Peer) -> None:

@@ -40,6 +40,10 @@ class PeerStats:
     snapshots_written: int = 0
     snapshots_failed: int = 0
     snapshots_skipped: int = 0
+    #: Plain checks that ran the generation exchange themselves, and those that returned
+    #: without one, between two (checks coming fast: peer_elastic.torch.check_cadence).
+    check_exchanges: int = 0
+    checks_spaced: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()

@@ -111,6 +111,33 @@ def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Clust
     assert {"joined", "left", "expired", "drain requested"} <= kinds, kinds
 
 
+def test_fast_checks_space_their_exchanges_and_every_rank_still_raises_together(
+        cluster: Cluster, tmp_path) -> None:
+    # Checks a few ms apart, with DDP (no optimizer step carries the exchange): only every
+    # P-th plain check exchanges (peer_elastic.torch.check_cadence), P agreed by the group.
+    # A join, a graceful leave and a crash between rare commits must still reach every rank
+    # at the same check: the oracle counts every sample once.
+    end = tmp_path / "end"
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2000, WORKER_END_FILE=end, WORKER_STEP_S=0,
+               WORKER_SAMPLES=240, WORKER_DDP=1, WORKER_CHECK_EVERY=1, WORKER_COMMIT_EVERY=10)
+    a, b = cluster.start(2, **env)
+    a.wait_line("GEN")
+    wait_steps(a, 20)
+    (c,) = cluster.start(1, **env)  # join
+    c.wait_line("GEN", timeout=90)
+    wait_steps(c, 20)
+    b.signal(signal.SIGTERM)  # graceful leave
+    assert b.wait(60) == 0, b.output()
+    wait_steps(c, 20)
+    c.signal(signal.SIGKILL)  # crash
+    wait_steps(a, 20)
+    end.touch()
+    assert a.wait(180) == 0, a.output()
+    r = result_of(a)
+    assert r["exact"] and r["identical"], r
+    assert r["checks_spaced"] > 0 and r["check_exchanges"] > 0, r
+
+
 def test_standby_is_promoted_and_a_stalled_peer_rejoins(cluster: Cluster) -> None:
     # max_np=2: the third peer waits as a standby. A roster member stalled past its lease
     # TTL (SIGSTOP) is replaced by the standby; on SIGCONT it rejoins as a new member.

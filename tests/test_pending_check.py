@@ -32,7 +32,8 @@ def _init(store_path: str, rank: int, world: int, timeout_s: float = 60.0) -> No
 def _agreement_worker(store_path: str, rank: int, world: int, raiser: int, at: int,
                       out: Any) -> None:
     """Rank ``raiser`` reports CURRENT + 1 at call ``at`` (a newer generation, or a lost
-    lease); returns per call whether the completed exchange says "reset"."""
+    lease), and rank r proposes a check period of r + 2; returns per call whether the
+    completed exchange says "reset", and the period it agreed."""
     try:
         import torch
         import torch.distributed as dist
@@ -42,12 +43,13 @@ def _agreement_worker(store_path: str, rank: int, world: int, raiser: int, at: i
         _init(store_path, rank, world)
         group = object()
         pending = PendingCheck()
-        answers: list[bool | None] = []
+        answers: list[tuple[bool, int] | None] = []
         for call in range(CALLS):
             result = pending.complete(group)
-            answers.append(None if result is None else result.newest_generation > CURRENT)
+            answers.append(None if result is None
+                           else (result.newest_generation > CURRENT, result.period))
             want = CURRENT + 1 if (rank == raiser and call >= at) else CURRENT
-            pending.issue(group, want, torch.device("cpu"))
+            pending.issue(group, want, torch.device("cpu"), period=rank + 2)
         # Another group's op is dropped unread: complete() returns at once, with nothing.
         assert pending.complete(object()) is None and not pending.pending
         dist.barrier()  # the dropped op was issued on every rank: gloo completes it anyway
@@ -88,8 +90,9 @@ def test_every_rank_gets_the_same_answer_at_the_same_call(tmp_path: Path, world:
     for rank, answers in results.items():
         assert not isinstance(answers, str), f"rank {rank} failed:\n{answers}"
     # Call 0 has nothing to complete; a change reported at call `at` shows at call at + 1
-    # on every rank alike (one check later than a blocking exchange).
-    expected = [None] + [call > at for call in range(1, CALLS)]
+    # on every rank alike (one check later than a blocking exchange). The period agreed is
+    # the smallest proposed (rank 0's), on every rank.
+    expected = [None] + [(call > at, 2) for call in range(1, CALLS)]
     assert all(answers == expected for answers in results.values()), results
 
 

@@ -35,7 +35,7 @@ from tests.helpers.schedules import (
     run_plan,
 )
 
-SEEDS = fresh_seeds(2)
+SEEDS = fresh_seeds(1)
 HOST_SEEDS = fresh_seeds(1)
 N_EVENTS = events_from_env(6)
 

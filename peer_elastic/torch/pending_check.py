@@ -11,8 +11,9 @@ blocking exchange.
 One job: hold at most one op, of one group. The op belongs to the group it was issued in;
 completing it under another group (after a reset) drops it unread instead, so a destroyed
 group's op is never waited on in the next group. Device handling is generic: the buffer lives
-on the device the caller names (CPU for gloo, CUDA for nccl) and is read with ``.item()``
-after ``Work.wait()``.
+on the device the caller names (CPU for gloo, CUDA for nccl) and is read with ``.tolist()``
+after ``Work.wait()``. The op also agrees on how many checks pass until the next one
+(:mod:`peer_elastic.torch.check_cadence`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class PendingResult:
     """What every rank of the group reported at the check that issued the op."""
 
     newest_generation: int  # the MAX over ranks of the newest generation each knew of
+    period: int = 1  # the MIN over ranks of the check period each proposed (check_cadence)
 
 
 @dataclass
@@ -40,7 +42,8 @@ class _Issued:
 
 
 class PendingCheck:
-    """At most one in-flight 1-element all-reduce (MAX) of a generation number."""
+    """At most one in-flight all-reduce (MAX) of a generation number and of a proposed check
+    period, negated (so that the MAX of the negations is the smallest proposal)."""
 
     def __init__(self) -> None:
         self._issued: _Issued | None = None
@@ -52,14 +55,17 @@ class PendingCheck:
     def pending(self) -> bool:
         return self._issued is not None
 
-    def issue(self, group: object, want: int, device: torch.device) -> None:
-        """Start the exchange of ``want`` in ``group`` (the current default process group)."""
+    def issue(self, group: object, want: int, device: torch.device, period: int = 1) -> None:
+        """Start the exchange of ``want`` and of the proposed ``period`` in ``group`` (the
+        current default process group)."""
         if self._issued is not None:
             raise RuntimeError("an exchange is already pending; complete or drop it first")
+        if period < 1:
+            raise ValueError(f"a check period is at least 1, not {period}")
         buf, self._spare = self._spare, None
         if buf is None or buf.device != device:
-            buf = torch.empty(1, dtype=torch.int64, device=device)
-        buf.fill_(want)
+            buf = torch.empty(2, dtype=torch.int64, device=device)
+        buf[0], buf[1] = want, -period
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
         assert work is not None  # async_op=True always returns a Work
         self._issued = _Issued(group, buf, work)
@@ -75,7 +81,8 @@ class PendingCheck:
         if issued is None or issued.group is not group:
             return None
         issued.work.wait()
-        result = PendingResult(newest_generation=int(issued.buf.item()))
+        newest, negated_period = issued.buf.tolist()
+        result = PendingResult(newest_generation=int(newest), period=-int(negated_period))
         self._spare = issued.buf
         return result
 

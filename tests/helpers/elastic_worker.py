@@ -276,6 +276,9 @@ def main() -> int:
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
                 "reset_sizes": seen_sizes,  # one per formed group, the first included
+                # this rank's plain checks: with an exchange, and spaced between two
+                "check_exchanges": peer.stats.check_exchanges,
+                "checks_spaced": peer.stats.checks_spaced,
             }
             if PLAIN:
                 result["steps"] = state.steps
