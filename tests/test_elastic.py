@@ -65,13 +65,17 @@ def wait_steps(p: PeerProc, n: int, timeout: float = 90) -> None:
     raise AssertionError(f"{p.name} made no progress:\n{p.output()}")
 
 
-def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Cluster,
+def test_join_leave_and_crashes_between_fast_checks_count_every_sample_once(cluster: Cluster,
                                                                    tmp_path) -> None:
-    # 960 samples an epoch; the schedule: join, graceful leave, crash of a non-leader, crash
-    # of the leader; the job must finish with an exact count on every survivor. The job runs
-    # until the schedule is done (WORKER_END_FILE), however slowly a loaded machine steps.
+    # The schedule: join, graceful leave, crash of a non-leader, crash of the leader; the job
+    # must finish with an exact count on every survivor. The job runs until the schedule is
+    # done (WORKER_END_FILE), however slowly a loaded machine steps. Steps as fast as they
+    # go, with DDP (no optimizer step carries the exchange) and a check after every step
+    # between rare commits: only every P-th check exchanges (peer_elastic.torch.
+    # check_cadence), and every event must still reach every rank at the same check.
     end = tmp_path / "end"
-    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=40, WORKER_END_FILE=end)
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2000, WORKER_END_FILE=end, WORKER_STEP_S=0,
+               WORKER_SAMPLES=240, WORKER_DDP=1, WORKER_CHECK_EVERY=1, WORKER_COMMIT_EVERY=10)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
     wait_steps(a, 3)
@@ -93,6 +97,7 @@ def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Clust
     r = result_of(d)
     assert r["exact"], r
     assert r["identical"] and r["world"] == 1 and r["rank"] == 0  # the oldest survivor
+    assert r["checks_spaced"] > 0 and r["check_exchanges"] > 0, r
     # b left without a rollback and c joined mid-epoch: generations it saw are ordered.
     assert [g for g, _, _ in gen_lines(d)] == sorted({g for g, _, _ in gen_lines(d)})
     # Every reset is in the event log with where its time went.
@@ -109,33 +114,6 @@ def test_join_leave_and_crashes_mid_epoch_count_every_sample_once(cluster: Clust
         assert 0 <= t["total"] < 60
     kinds = {e["kind"] for e in events}
     assert {"joined", "left", "expired", "drain requested"} <= kinds, kinds
-
-
-def test_fast_checks_space_their_exchanges_and_every_rank_still_raises_together(
-        cluster: Cluster, tmp_path) -> None:
-    # Checks a few ms apart, with DDP (no optimizer step carries the exchange): only every
-    # P-th plain check exchanges (peer_elastic.torch.check_cadence), P agreed by the group.
-    # A join, a graceful leave and a crash between rare commits must still reach every rank
-    # at the same check: the oracle counts every sample once.
-    end = tmp_path / "end"
-    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2000, WORKER_END_FILE=end, WORKER_STEP_S=0,
-               WORKER_SAMPLES=240, WORKER_DDP=1, WORKER_CHECK_EVERY=1, WORKER_COMMIT_EVERY=10)
-    a, b = cluster.start(2, **env)
-    a.wait_line("GEN")
-    wait_steps(a, 20)
-    (c,) = cluster.start(1, **env)  # join
-    c.wait_line("GEN", timeout=90)
-    wait_steps(c, 20)
-    b.signal(signal.SIGTERM)  # graceful leave
-    assert b.wait(60) == 0, b.output()
-    wait_steps(c, 20)
-    c.signal(signal.SIGKILL)  # crash
-    wait_steps(a, 20)
-    end.touch()
-    assert a.wait(180) == 0, a.output()
-    r = result_of(a)
-    assert r["exact"] and r["identical"], r
-    assert r["checks_spaced"] > 0 and r["check_exchanges"] > 0, r
 
 
 def test_standby_is_promoted_and_a_stalled_peer_rejoins(cluster: Cluster) -> None:
