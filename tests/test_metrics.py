@@ -174,6 +174,7 @@ def test_gauges_read_the_peer_live() -> None:
     peer.coordinator.latest_generation = SimpleNamespace(number=5)  # a reset under way
     peer.coordinator.stats["rejoins"] += 1
     peer.stats.collective_abandoned()
+    peer.stats.count("checks_spaced")
     assert sample(m, "peer_elastic_generation") == 4
     assert sample(m, "peer_elastic_world_size") == 3
     assert sample(m, "peer_elastic_rank") == 0
@@ -182,6 +183,8 @@ def test_gauges_read_the_peer_live() -> None:
     assert sample(m, "peer_elastic_latest_generation") == 5
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
     assert sample(m, "peer_elastic_coordinator_collectives_abandoned_total") == 1
+    assert sample(m, "peer_elastic_coordinator_checks_spaced_total") == 1
+    assert sample(m, "peer_elastic_coordinator_check_exchanges_total") == 0
     m.bind(peer)  # binding again (a new run) registers nothing twice
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 2
     peer.generation, peer.size, peer.rank = 4, 0, -1  # standby
