@@ -640,18 +640,17 @@ class ChaosRunner:
     def held(self, p: Tracked) -> Iterator[str]:
         """Take ``p`` away while the block runs: its host cut off from everything (a silent
         drop) when it is alone there, else SIGSTOP; yields which."""
-        host = self.lone_host(p)
-        assert self.hosts is not None or host is None
+        hosts, host = self.hosts, self.lone_host(p)
         p.state, p.stops = "stopped", p.stops + 1
-        if host is not None:
-            self.hosts.cut(host)  # type: ignore[union-attr]
+        if hosts is not None and host is not None:
+            hosts.cut(host)
         else:
             p.proc.signal(signal.SIGSTOP)
         try:
             yield f"{host.name} cut off" if host is not None else "SIGSTOP"
         finally:
-            if host is not None:
-                self.hosts.heal(host)  # type: ignore[union-attr]
+            if hosts is not None and host is not None:
+                hosts.heal(host)
             else:
                 p.proc.signal(signal.SIGCONT)
             p.state = "running"
@@ -663,7 +662,7 @@ class ChaosRunner:
             self.sleep(ev.hold_s)
         a.detail = f"{how}, back after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
         # Away past its TTL, it lost its lease: it must come back as a new member.
-        if not self.wait_for(f"{p.name} to re-register after SIGCONT",
+        if not self.wait_for(f"{p.name} to re-register after it came back",
                              lambda: len(p.members) > registrations, peers=[p]):
             return
         a.detail += f", back as {p.members[-1]}"
