@@ -2,7 +2,7 @@
 
 Four peers of ``tests/helpers/elastic_worker.py`` plus a standby (``max_np=4``) train over a
 3-member etcd cluster while a seeded schedule applies ``$PEER_ELASTIC_CHAOS_EVENTS`` (default
-12 here, 20 in the soak; the suite's seeded schedules in test_schedules.py add more) random events: SIGKILL, SIGTERM, a new peer, SIGSTOP past the lease TTL then SIGCONT,
+12; the suite's seeded schedules in test_schedules.py add more) random events: SIGKILL, SIGTERM, a new peer, SIGSTOP past the lease TTL then SIGCONT,
 kill (or graceful stop) and restart of one etcd member, and of all three. At the end the job
 has completed, every sample of every epoch was counted exactly once in the committed model,
 all ranks are bit-identical, every peer not SIGKILLed exited 0, and no peer process is left.
