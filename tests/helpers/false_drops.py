@@ -68,6 +68,14 @@ def _wait_world(p: PeerProc, size: int, after: int, timeout: float) -> None:
             pass
 
 
+def epoch_cap(resets: int, per_reset: int) -> int:
+    """WORKER_EPOCHS for ``resets`` rounds: far more epochs than they take (the job is ended
+    by WORKER_END_FILE), but no more. The oracle's counter is a model parameter of one row
+    per epoch that every commit copies and every sync sends: the 100000 rows this used to
+    ask for made the state 192 MB, and the job's end alone took 50 s."""
+    return 50 + per_reset * resets
+
+
 def start_hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
@@ -78,7 +86,8 @@ def run_resets(endpoint: str, job: str, resets: int, end_file: Path, hogs: int =
     """Run ``resets`` crash-and-restart rounds (module docstring); processes are always
     stopped on the way out."""
     report = ResetReport()
-    cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2, "WORKER_EPOCHS": 100000,
+    cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2,
+                                        "WORKER_EPOCHS": epoch_cap(resets, per_reset=20),
                                         "WORKER_SAMPLES": 480, "WORKER_STEP_S": 0.02,
                                         "WORKER_END_FILE": end_file, **(settings or {})})
     hog_procs = start_hogs(hogs)
@@ -140,7 +149,8 @@ def run_resizes(endpoint: str, job: str, resets: int, end_file: Path, hogs: int 
     trains (each of its members printed its GEN line)."""
     report = ResetReport()
     cluster = Cluster(endpoint, job, **{"PEER_ELASTIC_MIN_NP": 2, "PEER_ELASTIC_MAX_NP": 3,
-                                        "WORKER_EPOCHS": 100000, "WORKER_SAMPLES": 480,
+                                        "WORKER_EPOCHS": epoch_cap(resets, per_reset=5),
+                                        "WORKER_SAMPLES": 480,
                                         "WORKER_STEP_S": 0.02, "WORKER_END_FILE": end_file})
     client = EtcdClient(endpoint)
     view = JobView(client, job).start()
