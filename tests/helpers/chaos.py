@@ -80,6 +80,9 @@ SETTINGS: dict[str, object] = {
     "WORKER_BATCH": 4,
     "WORKER_STEP_S": 0.05,
     "WORKER_COMMIT_EVERY": 2,
+    # A peer that falls silent (no batch for 20 s: far past any stop or outage an event
+    # makes) writes every thread's stack into its log, for the report of a failed run.
+    "WORKER_STACKS_AFTER_S": 20,
 }
 # Training length: about 2.4-2.5 epochs of WORKER_SAMPLES pass per event (measured on 2
 # busy cores, 30 and 200 events); the job must outlast the schedule, so BASE_EPOCHS and

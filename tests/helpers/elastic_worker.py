@@ -34,6 +34,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   there (it creates the file). ``WORKER_HANG_FILE=path``: a peer whose pid is a line of that
   file blocks at its next batch (a test picks a running peer). Prints ``HANGING <pid>
   <epoch> <batch> <generation>`` first.
+* ``WORKER_STACKS_AFTER_S=<seconds>``: every thread's stack is written to stderr once no
+  batch began for that long (``faulthandler``: from its own thread, so it works even when a
+  native call holds the GIL); for catching a peer that falls silent in a soak.
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
 
@@ -50,6 +53,7 @@ Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation, th
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import math
@@ -73,6 +77,7 @@ CHECK_EVERY = int(os.environ.get("WORKER_CHECK_EVERY", "0"))
 RECORD = os.environ.get("WORKER_RECORD", "batch")
 PLAIN = os.environ.get("WORKER_PLAIN") == "1"
 END_FILE = os.environ.get("WORKER_END_FILE")
+STACKS_AFTER_S = float(os.environ.get("WORKER_STACKS_AFTER_S", "0"))
 RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
@@ -224,6 +229,8 @@ def main() -> int:
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
                 for b in range(int(nb)):
+                    if STACKS_AFTER_S:  # every thread's stack once no batch began for that long
+                        faulthandler.dump_traceback_later(STACKS_AFTER_S)
                     maybe_stall(state.epoch, b, peer.rank, peer.generation)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
