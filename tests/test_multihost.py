@@ -26,7 +26,7 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.records import MemberRecord, decode
 from peer_elastic.testing import EtcdCluster
-from tests.helpers.hosts import Host, Hosts, NetnsUnavailable, unavailable_reason
+from tests.helpers.hosts import Host, Hosts, hosts_or_skip
 from tests.helpers.procs import PeerProc, results
 from tests.test_partition import gens, wait_gen, wait_joined, wait_steps
 
@@ -49,17 +49,8 @@ SETTINGS = {
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"multi-host test: {reason}")
-    try:
-        hs = Hosts(4).create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"multi-host test: {exc}")
-    try:
+    with hosts_or_skip(4, "multi-host test") as hs:
         yield hs
-    finally:
-        hs.close()
 
 
 @pytest.fixture
@@ -185,17 +176,9 @@ def test_hosts_without_hints_train_through_kills_joins_sigterm_and_a_partition(
 
 @pytest.fixture
 def hosts6() -> Iterator[Hosts]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"multi-host test: {reason}")
-    try:
-        hs = Hosts(3, ipv4=False).create()  # IPv6 only: gloo has no IPv4 address to fall to
-    except NetnsUnavailable as exc:
-        pytest.skip(f"multi-host test: {exc}")
-    try:
+    # IPv6 only: gloo has no IPv4 address to fall to
+    with hosts_or_skip(3, "multi-host test", ipv4=False) as hs:
         yield hs
-    finally:
-        hs.close()
 
 
 def test_ipv6_hosts_and_a_peer_at_an_unreachable_address_is_named(

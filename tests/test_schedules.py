@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from peer_elastic.testing import EtcdCluster
-from tests.helpers.hosts import Hosts, NetnsUnavailable, unavailable_reason
+from tests.helpers.hosts import Hosts, hosts_or_skip
 from tests.helpers.schedules import (
     events_from_env,
     fresh_seeds,
@@ -106,17 +106,8 @@ def test_schedule_exactly_once(seed: int, etcd_cluster: EtcdCluster, unique_job:
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"several hosts: {reason}")
-    try:
-        hs = Hosts(3).create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"several hosts: {exc}")
-    try:
+    with hosts_or_skip(3, "several hosts") as hs:
         yield hs
-    finally:
-        hs.close()
 
 
 @pytest.mark.slow

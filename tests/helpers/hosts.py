@@ -20,6 +20,7 @@ inside the namespaces and deletes them, the links and the bridge.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
@@ -28,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tests.helpers.netns import (
@@ -38,7 +40,7 @@ from tests.helpers.netns import (
     unavailable_reason,
 )
 
-__all__ = ["Host", "Hosts", "NetnsUnavailable", "unavailable_reason"]
+__all__ = ["Host", "Hosts", "NetnsUnavailable", "hosts_or_skip", "unavailable_reason"]
 
 
 @dataclass
@@ -205,3 +207,22 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def hosts_or_skip(n: int, what: str, ipv4: bool = True) -> Iterator[Hosts]:
+    """``n`` hosts (``Hosts(n, ipv4=ipv4)``) for a pytest test, closed afterwards; the test
+    is skipped, saying why, where network namespaces are unavailable (not root, no ``ip``)."""
+    import pytest  # here: benchmarks/soak.py uses this module without pytest
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"{what}: {reason}")
+    try:
+        hs = Hosts(n, ipv4=ipv4).create()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"{what}: {exc}")
+    try:
+        yield hs
+    finally:
+        hs.close()
