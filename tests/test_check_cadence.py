@@ -1,7 +1,7 @@
 """CheckCadence (peer_elastic.torch.check_cadence) on a fake clock: which plain checks
-exchange, and what period a rank proposes. Over a real group: tests/test_pending_check.py
-(the period every rank agrees on) and tests/test_elastic.py (fast checks, join, leave and
-crash, exactly once)."""
+exchange, and what period a rank proposes; and two real peers checking back to back. Over
+a real group also: tests/test_pending_check.py (the period every rank agrees on) and
+tests/test_elastic.py (fast checks, join, leave and crash, exactly once)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,27 @@ def test_the_agreed_period_decides_which_checks_exchange() -> None:
     # A new group starts at period 1 (its first exchange agrees on nothing yet).
     cadence.exchanged(200e-6, 1)
     assert cadence.due()
+
+
+def test_real_peers_checking_back_to_back_space_their_exchanges_alike(
+        etcd: str, unique_job: str) -> None:
+    """Real etcd, two real peers, 400 checks back to back (nothing between them: checks far
+    under 20 ms apart however loaded the machine is). Most return without an exchange, and
+    both ranks exchanged at the same calls: the same counts on both."""
+    from tests.helpers.procs import Cluster
+
+    cluster = Cluster(etcd, unique_job, PEER_ELASTIC_MIN_NP=2, PEER_ELASTIC_MAX_NP=2,
+                      WORKER_STEPS=400, WORKER_PLAIN=1)
+    try:
+        peers = cluster.start(2, module="tests.helpers.vote_worker")
+        counts = []
+        for p in peers:
+            line = p.wait_line("CHECKS", timeout=120)
+            exchanges, spaced = (int(n) for n in line.split()[1:])
+            counts.append((exchanges, spaced))
+            assert p.wait(timeout=60) == 0
+        assert counts[0] == counts[1], counts
+        exchanges, spaced = counts[0]
+        assert exchanges + spaced == 400 and spaced > exchanges, counts
+    finally:
+        cluster.close()

@@ -72,7 +72,9 @@ def test_join_leave_and_crashes_between_fast_checks_count_every_sample_once(clus
     # done (WORKER_END_FILE), however slowly a loaded machine steps. Steps as fast as they
     # go, with DDP (no optimizer step carries the exchange) and a check after every step
     # between rare commits: only every P-th check exchanges (peer_elastic.torch.
-    # check_cadence), and every event must still reach every rank at the same check.
+    # check_cadence), and every event must still reach every rank at the same check. Whether
+    # checks are spaced depends on how fast this machine steps (under 20 ms apart); under
+    # load they may not be, so that spacing happens at all is tests/test_check_cadence.py's.
     end = tmp_path / "end"
     env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2000, WORKER_END_FILE=end, WORKER_STEP_S=0,
                WORKER_SAMPLES=240, WORKER_DDP=1, WORKER_CHECK_EVERY=1, WORKER_COMMIT_EVERY=10)
@@ -97,7 +99,7 @@ def test_join_leave_and_crashes_between_fast_checks_count_every_sample_once(clus
     r = result_of(d)
     assert r["exact"], r
     assert r["identical"] and r["world"] == 1 and r["rank"] == 0  # the oldest survivor
-    assert r["checks_spaced"] > 0 and r["check_exchanges"] > 0, r
+    assert r["check_exchanges"] > 0, r
     # b left without a rollback and c joined mid-epoch: generations it saw are ordered.
     assert [g for g, _, _ in gen_lines(d)] == sorted({g for g, _, _ in gen_lines(d)})
     # Every reset is in the event log with where its time went.

@@ -2,6 +2,9 @@
 all-reduces it runs (tests/test_reset_vote.py): the check must add none.
 
 Prints ``COUNTED <all-reduces> <steps>`` on every rank at the end. WORKER_STEPS: steps.
+With ``WORKER_PLAIN=1`` it makes only the checks, back to back (no step carries the vote: each
+check's own exchange does, every P-th check, peer_elastic.torch.check_cadence), and prints
+``CHECKS <check_exchanges> <checks_spaced>`` too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 import peer_elastic as pe
 
 STEPS = int(os.environ.get("WORKER_STEPS", "30"))
+PLAIN = os.environ.get("WORKER_PLAIN") == "1"
 
 
 def main() -> int:
@@ -35,6 +39,9 @@ def main() -> int:
             dist.all_reduce = counting_all_reduce
             try:
                 for _ in range(STEPS):
+                    if PLAIN:
+                        state.check_host_updates()
+                        continue
                     optimizer.zero_grad()
                     model(torch.randn(2, 4)).sum().backward()
                     optimizer.step()
@@ -45,6 +52,8 @@ def main() -> int:
 
         reduces, steps = peer.run(train, state)
     print("COUNTED", reduces, steps, flush=True)
+    if PLAIN:
+        print("CHECKS", peer.stats.check_exchanges, peer.stats.checks_spaced, flush=True)
     return 0
 
 
