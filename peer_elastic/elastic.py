@@ -492,7 +492,7 @@ class Peer:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._pending.drop()
-        self.groups.destroy()
+        self.groups.close()
 
 
 class _Publisher:

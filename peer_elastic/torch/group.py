@@ -44,6 +44,7 @@ from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
+from peer_elastic.torch.retired_groups import RetiredGroups
 from peer_elastic.torch.store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -78,13 +79,14 @@ def destroy_default_group(connections: GroupConnections) -> int:
     """Destroy torch's default process group and shut down what it leaves open.
 
     ``destroy_process_group`` closes gloo's connections only when the group object dies,
-    and user code often keeps it alive: a DDP wrapper (rebuilt in a reset callback, the
-    README's recipe) holds its group in its reducer, and DDP objects live in reference
-    cycles until the garbage collector runs. A peer blocked in that group's collective
-    waiting on this one would then wait for the collective timeout instead of failing at
-    once, as it does when this process's end of the connection closes. So every connection
-    the group opened (``connections``, captured at init) that is still open afterwards is
-    shut down; returns how many were.
+    and something usually keeps it alive: the manager itself for a while
+    (:mod:`peer_elastic.torch.retired_groups`), and a DDP wrapper (rebuilt in a reset
+    callback, the README's recipe) holds its group in its reducer. A peer blocked in that
+    group's collective waiting on this one would then wait for the collective timeout
+    instead of failing at once, as it does when this process's end of the connection
+    closes; and this process's own collectives in flight there would not end. So every
+    connection the group opened (``connections``, captured at init) that is still open
+    afterwards is shut down; returns how many were.
     """
     try:
         dist.destroy_process_group()
@@ -138,6 +140,7 @@ class GroupManager:
         self._store: EtcdStore | None = None
         self._connections = GroupConnections()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
+        self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
         self._is_etcd = endpoint_matcher(
             (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
 
@@ -149,11 +152,11 @@ class GroupManager:
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
+            # Kept a generation longer, so that no DDP reducer frees it holding the GIL.
+            self._retired.retire(dist.group.WORLD)
             left_open = destroy_default_group(connections)
-            if left_open:
-                log.info("destroyed the process group; %d of its connections were still "
-                         "open (another object holds the group, e.g. a DDP wrapper) and "
-                         "were shut down", left_open)
+            log.debug("destroyed the process group; shut down its %d open connections",
+                      left_open)
         else:
             # A failed init_process_group leaves torch's group counter advanced, and the
             # next rendezvous of this process would then use other keys than its peers
@@ -164,6 +167,12 @@ class GroupManager:
         if self._store is not None:
             self._store.close()  # torch keeps only the C++ half alive; we held the rest
             self._store = None
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Destroy the current group and let go of every destroyed one (the peer is done
+        with groups); waits at most ``wait_s`` for their collectives in flight to end."""
+        self.destroy()
+        self._retired.release(wait_s)
 
     def form(self, after: int) -> FormedGroup:
         """Join the newest generation after ``after`` that lists this peer.

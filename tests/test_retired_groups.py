@@ -1,0 +1,74 @@
+"""RetiredGroups (peer_elastic.torch.retired_groups): a destroyed group stays referenced
+until the next one is destroyed, and the last reference goes on a helper thread, never on
+the caller's. On the real thing, the deadlock it avoids is a race (a gloo worker finishing
+a collective while a DDP reducer frees the group): benchmarks/stop_storm.py reproduces it
+in minutes under load, and every suite run with DDP rebuilt in reset callbacks
+(test_elastic, test_schedules, test_chaos) runs through the retired groups."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+from peer_elastic.torch.retired_groups import RetiredGroups
+
+
+class Group:
+    """Stands in for a ProcessGroup: records which thread freed it, and can be slow to."""
+
+    def __init__(self, name: str, freed: dict[str, str], slow_s: float = 0.0) -> None:
+        self.name, self.freed, self.slow_s = name, freed, slow_s
+
+    def __del__(self) -> None:
+        time.sleep(self.slow_s)  # a destructor waiting for gloo's worker threads
+        self.freed[self.name] = threading.current_thread().name
+
+
+def wait_freed(freed: dict[str, str], name: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while name not in freed and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return freed[name]
+
+
+def test_a_retired_group_lives_until_the_next_is_retired() -> None:
+    freed: dict[str, str] = {}
+    retired = RetiredGroups()
+    retired.retire(Group("g1", freed))
+    gc.collect()
+    assert freed == {} and len(retired) == 1  # the reset callbacks may drop DDP safely now
+    retired.retire(Group("g2", freed))
+    assert wait_freed(freed, "g1") == "peer-elastic-retired-groups"  # not this thread
+    assert "g2" not in freed and len(retired) == 1
+
+
+def test_retiring_never_waits_for_a_slow_destructor() -> None:
+    freed: dict[str, str] = {}
+    retired = RetiredGroups()
+    retired.retire(Group("slow", freed, slow_s=1.0))
+    t0 = time.monotonic()
+    retired.retire(Group("next", freed))
+    assert time.monotonic() - t0 < 0.5
+    assert wait_freed(freed, "slow") == "peer-elastic-retired-groups"
+
+
+def test_release_drops_everything_and_waits_a_bounded_time() -> None:
+    freed: dict[str, str] = {}
+    retired = RetiredGroups()
+    retired.retire(Group("last", freed))
+    assert retired.release(wait_s=10.0) is True
+    assert freed["last"] == "peer-elastic-retired-groups" and len(retired) == 0
+    retired.retire(Group("stuck", freed, slow_s=2.0))
+    t0 = time.monotonic()
+    assert retired.release(wait_s=0.2) is False  # gives up waiting, says so
+    assert time.monotonic() - t0 < 1.5
+    assert retired.release(wait_s=0.2) is True  # nothing left to drop
+    wait_freed(freed, "stuck")
+
+
+def test_none_is_not_kept() -> None:
+    retired = RetiredGroups()
+    retired.retire(None)
+    assert len(retired) == 0
