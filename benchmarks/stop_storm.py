@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peer_elastic.etcd_server import EtcdServer  # noqa: E402
+from tests.helpers.false_drops import start_hogs  # noqa: E402
 from tests.helpers.procs import Cluster, PeerProc  # noqa: E402
 
 SILENT_S = 25.0  # far past any hold below, and the 15 s stack trap of the worker
@@ -109,8 +110,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(10**9)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="peer-elastic-storm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(args.hogs)]
+    hogs = start_hogs(args.hogs)
     try:
         passed = [storm(seed + i, args.seconds, bool(args.ddp), log_dir)
                   for i in range(args.runs)]
