@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import logging
 import math
 import os
@@ -169,9 +170,28 @@ def frame_waits_on_peers(frame: FrameType | None) -> bool:
     return False
 
 
+def current_frame_of(thread_id: int) -> FrameType | None:
+    """Another thread's innermost frame (``sys._current_frames``), without CPython 3.11's
+    deadlock: before 3.11.9 a garbage collection started inside that call (it allocates)
+    could wait for the GIL while holding the runtime's thread-list lock, which a thread
+    holding the GIL needed to start or end a thread (cpython gh-106883; 3.12 collects
+    only between bytecodes). The whole process froze, lease keep-alives included. Seen
+    here: the hang monitor in this call in a peer that fell silent in a schedule soak.
+    The fix CPython backported is ours too: no automatic collection during the call."""
+    if sys.version_info >= (3, 12):
+        return sys._current_frames().get(thread_id)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread_id)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def thread_waits_on_peers(thread_id: int) -> bool:
     """:func:`frame_waits_on_peers` for another thread's current stack."""
-    return frame_waits_on_peers(sys._current_frames().get(thread_id))
+    return frame_waits_on_peers(current_frame_of(thread_id))
 
 
 @dataclass(frozen=True)
@@ -268,7 +288,7 @@ class HangDetector:
         rec = self._liveness.read()
         tid = rec.thread_id or 0
         name = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
-        frame = sys._current_frames().get(tid)
+        frame = current_frame_of(tid)
         where: tuple[str, ...] = ()
         if frame is not None:
             stack = traceback.extract_stack(frame)[::-1][:4]

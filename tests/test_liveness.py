@@ -29,6 +29,7 @@ from peer_elastic.liveness import (
     HangMonitor,
     HangReport,
     TrainingLiveness,
+    current_frame_of,
     frame_waits_on_peers,
     respond_to_hang,
     sample_period,
@@ -185,6 +186,32 @@ def test_stack_probe_sees_backward_through_the_autograd_engine() -> None:
         sys._getframe())))
     ns["other"](lambda: seen.setdefault("other", frame_waits_on_peers(sys._getframe())))
     assert seen == {"bw": True, "other": False}
+
+
+def test_reading_another_threads_frame_runs_no_collection_and_restores_the_gc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPython before 3.11.9 could deadlock when a collection started inside
+    # sys._current_frames (gh-106883): a peer froze whole. Before 3.12 the call runs with
+    # automatic collection off, and the collector's setting is as it was afterwards.
+    import gc
+
+    real = sys._current_frames
+    seen = []
+    monkeypatch.setattr(sys, "_current_frames", lambda: (seen.append(gc.isenabled()), real())[1])
+    here = threading.get_ident()
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            frame = current_frame_of(here)
+            names = []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            assert "current_frame_of" in names  # this thread's stack, taken inside the call
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert seen == ([False, False] if sys.version_info < (3, 12) else [True, False])
 
 
 def test_response_dumps_every_stack_fences_then_exits_with_the_documented_code(
