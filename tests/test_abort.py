@@ -235,3 +235,34 @@ def test_survivors_abandon_a_collective_stuck_on_a_stopped_leader(cluster: Clust
         assert p.wait(240) == 0, p.output()
     found = results([a, b, c])
     assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+
+
+@pytest.mark.slow
+def test_a_ddp_subgroup_made_in_a_reset_callback_is_abandoned_with_its_group(
+        etcd: str, unique_job: str) -> None:
+    # DDP reduces over a subgroup that the reset callback makes (dist.new_group), as over a
+    # device mesh's groups. A stopped peer leaves the others blocked in DDP's all-reduce on
+    # that subgroup: its connections are cut with the group's, so they re-form long before
+    # the 600 s collective timeout, and the job still trains every sample exactly once.
+    cluster = Cluster(etcd, unique_job, **SETTINGS, WORKER_DDP=1, WORKER_DDP_SUBGROUP=1)
+    try:
+        a, b, c = cluster.start(3)
+        for p in (a, b, c):
+            p.wait_line("GEN", timeout=90)
+        b.wait_line("STEP", after=len(b.lines), timeout=60)
+        seen = len(b.lines)
+        c.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        line = b.wait_line("GEN", after=seen, timeout=90)
+        print(f"re-formed {time.monotonic() - stopped:.2f} s after SIGSTOP: {line}")
+        assert "abandoning generation" in a.output() + b.output()
+        b.wait_line("STEP", after=len(b.lines), timeout=60)
+        seen = len(b.lines)
+        c.signal(signal.SIGCONT)
+        b.wait_line("GEN", after=seen, timeout=120)
+        for p in (a, b, c):
+            assert p.wait(240) == 0, p.output()
+        found = results([a, b, c])
+        assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    finally:
+        cluster.close()

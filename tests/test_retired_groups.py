@@ -72,3 +72,39 @@ def test_none_is_not_kept() -> None:
     retired = RetiredGroups()
     retired.retire(None)
     assert len(retired) == 0
+
+
+def test_a_generations_groups_are_kept_and_dropped_together() -> None:
+    # The default group and its subgroups (a DDP wrapper may reduce over a subgroup).
+    freed: dict[str, str] = {}
+    retired = RetiredGroups()
+    retired.retire(Group("world1", freed), None, Group("sub1", freed))
+    gc.collect()
+    assert freed == {} and len(retired) == 2
+    retired.retire(Group("world2", freed))
+    assert wait_freed(freed, "world1") == "peer-elastic-retired-groups"
+    assert wait_freed(freed, "sub1") == "peer-elastic-retired-groups"
+    assert len(retired) == 1
+
+
+def test_known_groups_are_what_destroy_process_group_destroys() -> None:
+    # A real gloo group with a user subgroup: known_groups() lists what
+    # destroy_process_group() is about to destroy, the default group first or not.
+    import socket
+
+    import torch.distributed as dist
+
+    from peer_elastic.torch.group import known_groups
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        groups = known_groups()
+        assert dist.group.WORLD in groups and sub in groups and len(groups) == 2
+    finally:
+        dist.destroy_process_group()
+    assert [g for g in known_groups() if g is not None] == []

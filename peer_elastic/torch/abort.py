@@ -19,8 +19,10 @@ the last commit and re-form. nccl has a real abort, which :class:`HangWatchdog` 
 lease (its key is gone from the watched view), or this peer itself lost its lease. It first
 gives the training thread ``grace_s`` to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
-group that is still current after the grace is cut. Collectives on subgroups that user code
-creates with ``dist.new_group`` are not covered: they wait for their own timeout.
+group that is still current after the grace is cut. Subgroups that reset callbacks create
+(``dist.new_group``, a device mesh, DDP over a subgroup) are cut with their group: the group
+manager adds the connections they open to a roster member to the group's. A subgroup made
+later, in the training function, is not covered: its collectives wait for its own timeout.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ class GroupConnections:
             if peer is not None and not exclude(*peer):
                 kept.append(inode)
         found.inodes = frozenset(kept)
+
+    def merged(self, other: GroupConnections) -> GroupConnections:
+        """These connections and ``other``'s (a group's subgroups made after it formed)."""
+        both = GroupConnections(self.inodes | other.inodes)
+        both.cut_count = self.cut_count + other.cut_count
+        return both
 
     def cut(self) -> int:
         """Shut down every remembered connection that is still open; return how many."""

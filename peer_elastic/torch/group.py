@@ -20,10 +20,11 @@ Plain ``torch.distributed`` calls and DDP in user code use the group unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +74,23 @@ def is_collective_failure(exc: BaseException) -> bool:
             "process group", "Application timeout caused pair closure",
         ))
     return False
+
+
+def _plain_ip(address: str) -> str:
+    """``address`` without brackets, a zone or an IPv4-mapped prefix (``::ffff:10.0.0.2``
+    is how a dual-stack socket shows an IPv4 peer)."""
+    ip = address.strip("[]").split("%", 1)[0]
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def known_groups() -> list[object]:
+    """The default group and every subgroup made in it (``dist.new_group``, a library's
+    sharding groups): all that ``destroy_process_group()`` destroys. torch lists them only
+    in a private map, hence looked up; the default group alone where it is missing."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", None) or ())
+    default = dist.group.WORLD
+    return groups if default in groups else [default, *groups]
 
 
 def destroy_default_group(connections: GroupConnections) -> int:
@@ -152,8 +170,9 @@ class GroupManager:
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
-            # Kept a generation longer, so that no DDP reducer frees it holding the GIL.
-            self._retired.retire(dist.group.WORLD)
+            # Kept a generation longer, so that no DDP reducer frees one holding the GIL:
+            # subgroups too, which a user's DDP wrapper may reduce over.
+            self._retired.retire(*known_groups())
             left_open = destroy_default_group(connections)
             log.debug("destroyed the process group; shut down its %d open connections",
                       left_open)
@@ -226,6 +245,30 @@ class GroupManager:
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
+
+    @contextlib.contextmanager
+    def adopting_connections(self) -> Iterator[None]:
+        """Connections opened in the block to a roster member of the current group (the
+        subgroups that reset callbacks make: a DDP wrapper's, a device mesh's) are cut
+        with the group when it is abandoned, instead of waiting out their own timeout."""
+        group = self.current
+        if group is None or self.backend == "nccl":  # nccl: abort() covers its communicators
+            yield
+            return
+        snap = self.coordinator.snapshot()
+        roster_ips = {_plain_ip(m.record.net_address) for i in group.roster
+                      if (m := snap.members.get(i)) is not None and m.record.net_address}
+
+        def elsewhere(host: str, port: int) -> bool:
+            return self._is_etcd(host, port) or _plain_ip(host) not in roster_ips
+
+        with GroupConnections.capture(exclude=elsewhere) as more:
+            yield
+        with self._lock:
+            if group is self.current and more.inodes:
+                self._connections = self._connections.merged(more)
+                log.debug("generation %d: %d connections of subgroups made in the reset "
+                          "callbacks are cut with it", group.generation, len(more.inodes))
 
     def init_timeout_s(self, size: int) -> float:
         """The group timeout while ``init_process_group`` connects ``size`` ranks.

@@ -42,13 +42,16 @@ class RetiredGroups:
         self._kept: list[Any] = []
         self._lock = threading.Lock()
 
-    def retire(self, group: Any) -> None:
-        """Keep ``group`` (a ``torch.distributed.ProcessGroup``, before it is destroyed)
-        until the next call; drop the ones kept before it, off this thread."""
-        if group is None:
+    def retire(self, *groups: Any) -> None:
+        """Keep ``groups`` (``torch.distributed.ProcessGroup`` objects, before they are
+        destroyed: the default group and every subgroup made in it, which a user's DDP
+        wrapper may hold as well) until the next call; drop the ones kept before them, off
+        this thread. ``None`` entries are ignored."""
+        kept = [g for g in groups if g is not None]
+        if not kept:
             return
         with self._lock:
-            older, self._kept = self._kept, [group]
+            older, self._kept = self._kept, kept
         if older:
             self._drop(older, wait_s=0.0)
 

@@ -639,36 +639,64 @@ class ChaosRunner:
             return None
         return p.host
 
+    def host_mates(self, p: Tracked) -> list[Tracked]:
+        """The other running peers on ``p``'s host (several hosts only)."""
+        if p.host is None:
+            return []
+        return [q for q in self.peers
+                if q is not p and q.host is p.host and q.proc.proc.poll() is None]
+
+    def whole_host_takes(self, p: Tracked) -> list[Tracked]:
+        """The peers that cutting off ``p``'s host with everyone on it takes away, when
+        enough run elsewhere for the job to go on (at least ``min_np``); else just ``[p]``."""
+        mates = self.host_mates(p)
+        elsewhere = len(self.running()) - 1 - len(mates)
+        return [p, *mates] if p.host is not None and elsewhere >= self.min_np else [p]
+
     @contextlib.contextmanager
-    def held(self, p: Tracked) -> Iterator[str]:
+    def held(self, p: Tracked, whole_host: bool = False) -> Iterator[tuple[str, list[Tracked]]]:
         """Take ``p`` away while the block runs: its host cut off from everything (a silent
-        drop) when it is alone there, else SIGSTOP; yields which."""
+        drop) when it is alone there, or when ``whole_host`` asks for a partition of every
+        peer on it and enough peers run elsewhere (:meth:`whole_host_takes`); else SIGSTOP.
+        Yields how, and the peers taken away."""
         hosts, host = self.hosts, self.lone_host(p)
-        p.state, p.stops = "stopped", p.stops + 1
+        taken = [p]
+        if hosts is not None and host is None and whole_host:
+            taken = self.whole_host_takes(p)
+            host = p.host if len(taken) > 1 else None
+        for q in taken:
+            q.state, q.stops = "stopped", q.stops + 1
         if hosts is not None and host is not None:
             hosts.cut(host)
         else:
             p.proc.signal(signal.SIGSTOP)
         try:
-            yield f"{host.name} cut off" if host is not None else "SIGSTOP"
+            how = "SIGSTOP" if host is None else (
+                f"{host.name} cut off" + (f" with {len(taken)} peers" if len(taken) > 1 else ""))
+            yield how, taken
         finally:
             if hosts is not None and host is not None:
                 hosts.heal(host)
             else:
                 p.proc.signal(signal.SIGCONT)
-            p.state = "running"
+            for q in taken:
+                q.state = "running"
 
     def _do_stop(self, ev: Event, a: Applied) -> None:
         p, in_roster = self._pick(ev, a)
-        g0, registrations = self.max_gen, len(p.members)
-        with self.held(p) as how:
+        g0, roster = self.max_gen, self.roster()
+        with self.held(p, getattr(ev, "whole_host", False)) as (how, taken):
+            registrations = {q.name: len(q.members) for q in taken}
+            in_roster = in_roster or any(q in roster for q in taken)
             self.sleep(ev.hold_s)
         a.detail = f"{how}, back after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
-        # Away past its TTL, it lost its lease: it must come back as a new member.
-        if not self.wait_for(f"{p.name} to re-register after it came back",
-                             lambda: len(p.members) > registrations, peers=[p]):
-            return
-        a.detail += f", back as {p.members[-1]}"
+        # Away past its TTL, each lost its lease: it must come back as a new member.
+        for q in taken:
+            if not self.wait_for(f"{q.name} to re-register after it came back",
+                                 lambda q=q: len(q.members) > registrations[q.name],
+                                 peers=[q]):
+                return
+        a.detail += ", back as " + ", ".join(q.members[-1] for q in taken)
         self._settle_after_departure(ev, a, g0, in_roster)
 
     def _do_add(self, ev: Event, a: Applied) -> None:

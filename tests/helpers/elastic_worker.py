@@ -23,7 +23,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   trained, from the model's own count). At the end ``samples`` must equal the model's total
   count (``plain_ok``; the oracle checks that total), and both are part of the digest.
 * ``WORKER_DDP=1``: average gradients with DistributedDataParallel, rebuilt in a reset
-  callback (the README's recipe), instead of pe.DistributedOptimizer.
+  callback (the README's recipe), instead of pe.DistributedOptimizer. With
+  ``WORKER_DDP_SUBGROUP=1`` the callback first makes a subgroup of every rank
+  (``dist.new_group``) and DDP reduces over it, as over a device mesh's groups.
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
   the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
   the epochs actually trained). Only at an epoch's start: a job re-entering its training
@@ -82,6 +84,7 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
+DDP_SUBGROUP = os.environ.get("WORKER_DDP_SUBGROUP") == "1"
 if RECORD not in ("batch", "indices", "local"):
     raise SystemExit(f"WORKER_RECORD={RECORD!r}: expected batch, indices or local")
 
@@ -208,7 +211,9 @@ def main() -> int:
 
         def rebuild_ddp() -> None:
             # Each generation has a new process group: DDP must be rebuilt on it.
-            holder["ddp"] = nn.parallel.DistributedDataParallel(Both(counter, net))
+            group = dist.new_group(list(range(dist.get_world_size()))) if DDP_SUBGROUP else None
+            holder["ddp"] = nn.parallel.DistributedDataParallel(Both(counter, net),
+                                                                process_group=group)
 
         callbacks = [lambda: seen_sizes.append(dist.get_world_size())]
         if USE_DDP:

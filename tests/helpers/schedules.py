@@ -3,7 +3,8 @@ applied to a real elastic job, ending with the exactly-once oracle (issue 9).
 
 ``make_plan(seed)`` is a pure function of the seed. It draws an API *pattern* (how the
 worker records progress, how often it commits, whether it checks for host updates between
-commits, plain values in the state, DDP rebuilt in a reset callback: the WORKER_* knobs of
+commits, plain values in the state, DDP rebuilt in a reset callback, half of those over a
+subgroup the callback makes: the WORKER_* knobs of
 ``tests/helpers/elastic_worker.py``) and then a sequence of events under a model of the job
 (running peers, ``max_np``, ``min_np``, paused), so that no event takes the roster below
 ``min_np``. :class:`ScheduleRunner` extends :class:`tests.helpers.chaos.ChaosRunner` (which
@@ -30,6 +31,9 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
                     On several hosts (``hosts=``: every peer on one of them, round robin) a
                     peer alone on its host is taken away by cutting that host off instead
                     (a silent drop of every packet, then healed), for both kinds of stop.
+                    Half the stops (``whole_host``, drawn apart from the rest of the plan)
+                    cut off the host even when other peers run there, a partition of all of
+                    them, where enough peers run elsewhere to go on (else SIGSTOP).
 * ``hang``          the training thread of a roster peer blocks forever while its process
                     lives (``WORKER_HANG_FILE``). Only generated when the library has hang
                     detection (:func:`hang_detection`); the others must train again within
@@ -87,15 +91,17 @@ class Pattern:
     check_every: int = 0  # 0: never; else state.check_host_updates() every j-th non-commit step
     plain: bool = False
     ddp: bool = False
+    ddp_subgroup: bool = False  # DDP reduces over a subgroup the reset callback makes
 
     def env(self) -> dict[str, object]:
         return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
                 "WORKER_CHECK_EVERY": self.check_every, "WORKER_PLAIN": int(self.plain),
-                "WORKER_DDP": int(self.ddp)}
+                "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": int(self.ddp_subgroup)}
 
     def describe(self) -> str:
+        ddp = f"ddp={int(self.ddp)}" + (" (over a subgroup)" if self.ddp_subgroup else "")
         return (f"record={self.record} commit_every={self.commit_every} "
-                f"check_every={self.check_every} plain={int(self.plain)} ddp={int(self.ddp)}")
+                f"check_every={self.check_every} plain={int(self.plain)} {ddp}")
 
 
 def make_pattern(rng: random.Random) -> Pattern:
@@ -112,12 +118,17 @@ class SEvent(Event):
     value: int = 0  # set_max / set_min: the new value; train: STEP positions to wait for
     target: str = ""  # kill/term: "leader" (rank 0 of the newest generation), "other" (a
     #                   roster member that is not rank 0) or "" (any running peer)
+    whole_host: bool = False  # stop/stop_short on several hosts: cut the peer's host off
+    #                   with every peer on it, where enough peers run elsewhere (a partition)
 
     def _describe(self) -> str:
         if self.kind in ("set_max", "set_min"):
             return f"#{self.index} {self.kind}={self.value}"
+        host = " (its whole host, where several hosts)" if self.whole_host else ""
         if self.kind == "stop_short":
-            return f"#{self.index} stop_short for {self.hold_s:.1f}s"
+            return f"#{self.index} stop_short for {self.hold_s:.1f}s{host}"
+        if self.kind == "stop":
+            return super()._describe() + host
         if self.kind == "train":
             return f"#{self.index} train {self.value} STEP positions"
         if self.kind in ("kill", "term") and self.target:
@@ -147,6 +158,8 @@ WEIGHTS = {"kill": 3, "kill_leader": 2, "term": 2, "drain": 1, "add": 3, "set_ma
 PAUSED_KINDS = ("add", "stop_short", "etcd_member", "resume")
 #: The share of kills after which the next event follows at once, in the middle of the reset.
 BURST_SHARE = 0.35
+#: The share of stops that cut off the peer's host with every peer on it (several hosts only).
+WHOLE_HOST_SHARE = 0.5
 
 
 def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, max_np: int = 3,
@@ -165,7 +178,11 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     rng = random.Random(seed)
     # Which kills are bursts: drawn apart, so that the rest of a seed's plan stays as it was.
     bursts = random.Random(f"{seed}/burst")
+    # Which stops take a peer's whole host away: drawn apart too (see SEvent.whole_host).
+    cuts = random.Random(f"{seed}/host")
     pattern = make_pattern(rng)
+    if pattern.ddp:  # drawn apart, as the bursts
+        pattern = replace(pattern, ddp_subgroup=random.Random(f"{seed}/subgroup").random() < 0.5)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
@@ -185,6 +202,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
         burst = kind == "kill" and bursts.random() < BURST_SHARE
         if burst:
             gap = round(bursts.uniform(0.0, 0.3), 2)
+        if kind in ("stop", "stop_short"):
+            kw["whole_host"] = cuts.random() < WHOLE_HOST_SHARE
         out.append(SEvent(len(out), kind, pick, round(hold, 2), hard, gap, burst, **kw))
 
     def can_lose_one() -> bool:
@@ -397,7 +416,7 @@ class ScheduleRunner(ChaosRunner):
         a.target = f"{p.name}/pid {p.pid}"
         a.role = "roster" if p in self.roster() else "standby"
         g0, regs = self.max_gen, len(p.members)
-        with self.held(p) as how:
+        with self.held(p, getattr(ev, "whole_host", False)) as (how, _taken):
             time.sleep(ev.hold_s)  # the event itself: how long it stays away
         self.wait_progress(ev.describe())
         a.detail = (f"{how}, back after {ev.hold_s:.1f}s (join timeout {JOIN_TIMEOUT_S}s); "
