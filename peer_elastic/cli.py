@@ -344,7 +344,10 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s, seen {seen} s ago"
               + (f"  at {m['net_address']}" if m["net_address"] else "")
               + (f"  metrics {m['address']}" if m["address"] else "")
-              + ("  (draining)" if m["draining"] else ""))
+              + ("  (draining)" if m["draining"] else "")
+              + ("  (cut off from the others)" if m.get("cut_off") else "")
+              + (f"  cannot reach {', '.join(m['unreachable'])}" if m.get("unreachable")
+                 else ""))
     if doc["progress"]:
         p = doc["progress"]
         print(f"  progress: epoch {p['epoch']} batch {p['batch']} step {p['step']} "

@@ -108,7 +108,8 @@ def classify_reason(causes: Collection[int], *, crashed: bool = False,
     the leader wrote them (see :mod:`peer_elastic.etcd.roster`); ``crashed`` says this peer
     came through the failed-collective path (it restored its last commit), ``lease_lost``
     that it lost its lease and re-registered. When several causes apply, the most severe
-    wins: lease_lost, crash (a broken generation or a member dropped for not acknowledging),
+    wins: lease_lost, crash (a broken generation, a member dropped for not acknowledging or
+    cut off from the others),
     hung (a member was fenced for a hung training thread), left (a member left, expired or
     no longer fits), joined; anything else is ``other``.
     """
@@ -126,7 +127,8 @@ def classify_reason(causes: Collection[int], *, crashed: bool = False,
     return "other"
 
 
-_CRASH_CAUSES = {GenerationCause.GENERATION_CAUSE_BROKEN, GenerationCause.GENERATION_CAUSE_DROPPED}
+_CRASH_CAUSES = {GenerationCause.GENERATION_CAUSE_BROKEN, GenerationCause.GENERATION_CAUSE_DROPPED,
+                 GenerationCause.GENERATION_CAUSE_UNREACHABLE}
 _LEFT_CAUSES = {GenerationCause.GENERATION_CAUSE_LEFT, GenerationCause.GENERATION_CAUSE_EXPIRED,
                 GenerationCause.GENERATION_CAUSE_RESIZED}
 

@@ -29,6 +29,7 @@ from peer_elastic.proto.records_pb2 import (
     JobConfig,
     MemberRecord,
     ProgressRecord,
+    ReachRecord,
     RunRecord,
     SnapshotRecord,
 )
@@ -36,7 +37,8 @@ from peer_elastic.proto.records_pb2 import (
 __all__ = [
     "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
     "FenceRecord", "GenerationCause", "GenerationRecord",
-    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "RunRecord", "SnapshotRecord",
+    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "ReachRecord", "RunRecord",
+    "SnapshotRecord",
     "encode", "decode", "valid_name",
 ]
 
@@ -145,3 +147,14 @@ def _validate(record: Message, key: str) -> None:
         if record.cause == FenceCause.FENCE_CAUSE_UNSPECIFIED or \
                 record.cause not in FenceCause.values():
             raise bad(f"unknown fence cause {record.cause}")
+    elif isinstance(record, ReachRecord):
+        if not valid_name(record.member_id):
+            raise bad(f"member id {record.member_id!r}")
+        if not record.unreachable:
+            raise bad("no unreachable member (the record is deleted instead)")
+        if not all(valid_name(m) for m in record.unreachable):
+            raise bad("malformed member id among the unreachable")
+        if len(set(record.unreachable)) != len(record.unreachable):
+            raise bad("duplicate unreachable member")
+        if record.member_id in record.unreachable:
+            raise bad("a member reports itself unreachable")

@@ -9,6 +9,10 @@ heal the cut-off peer rejoins as a new member, and the job ends with every sampl
 exactly once, every rank bit-identical and no process left behind. It is run twice: with
 the leader cut off, and with a follower cut off.
 
+The converse, a peer cut off from the other peers but not from etcd, runs on three hosts
+(tests/helpers/hosts.py): its lease lives on, so only the members' reachability reports
+(peer_elastic/etcd/reach.py) can take it out of the roster until the cut heals.
+
 Needs root and network namespaces; skipped (with the reason) where they are unavailable.
 """
 
@@ -24,7 +28,8 @@ import pytest
 
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
-from peer_elastic.testing import EtcdTestServer
+from peer_elastic.testing import EtcdCluster, EtcdTestServer
+from tests.helpers.hosts import hosts_or_skip
 from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
 from tests.helpers.procs import Cluster, PeerProc, results
 
@@ -232,3 +237,64 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
     print(f"partition ({cut} cut, {netns.cut_mode}): world of 3 after {t_cut - t0:.1f} s, "
           f"cut -> world of 2 in {t_reformed - t_cut:.1f} s, heal -> world of 3 in "
           f"{t_rejoined - t_heal:.1f} s, job done after {time.monotonic() - t0:.1f} s")
+
+
+# -- the other way round: cut off from the other peers, not from etcd --------------------------
+
+PEER_CUT_SETTINGS = dict(
+    SETTINGS,
+    # The first collective after the cut waits this long (the cut-off peer keeps its lease,
+    # so nothing ends it sooner); then the rendezvous probes find who cannot reach whom.
+    PEER_ELASTIC_COLLECTIVE_TIMEOUT=10,
+    WORKER_SAMPLES=960,
+    WORKER_EPOCHS=1000,  # ended by WORKER_END_FILE once the cut-off peer is back
+)
+
+
+def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
+        unique_job: str, tmp_path) -> None:
+    # Three hosts, one peer each; the leader's host loses the other hosts but keeps etcd
+    # (the bridge): the oldest member is the one that must go, and someone else leads.
+    # Its peer keeps its lease, so only the reachability reports can take it out: the other
+    # two must re-form a world of 2 and train on (at 3 hosts it was measured to stall every
+    # peer until the cut healed), and after the heal it must come back into a world of 3.
+    end = tmp_path / "end"
+    with hosts_or_skip(3, "peer cut") as hosts:
+        etcd = EtcdCluster(1, extra_client_hosts=[hosts.bridge_ip4]).start()
+        c = Cluster(etcd.endpoint_string, unique_job, **PEER_CUT_SETTINGS, WORKER_END_FILE=end)
+        try:
+            bridged = ",".join(f"{hosts.bridge_ip4}:{m.client_port}" for m in etcd.members)
+            peers = []
+            for h in hosts.hosts:  # one at a time: the first is the oldest (rank 0, leader)
+                (p,) = c.start(1, wrap=h.exec_args, where=h.name, PEER_ELASTIC_ETCD=bridged)
+                wait_joined(p)
+                peers.append(p)
+            for p in peers:
+                wait_gen(p, 3)
+            victim = 0  # the oldest: rank 0 and the leader
+            others = [p for i, p in enumerate(peers) if i != victim]
+            try:
+                hosts.cut_from_peers(hosts.hosts[victim])
+            except NetnsUnavailable as exc:
+                pytest.skip(f"peer cut: {exc}")
+            cut_at = time.monotonic()
+            seen = [len(p.lines) for p in others]
+            for p, after in zip(others, seen, strict=True):
+                _, g = wait_gen(p, 2, after=after, timeout=90)
+                wait_steps(p, HOLD_STEPS, g, timeout=60)
+            took = time.monotonic() - cut_at
+            print(f"world of 2 trained {took:.1f} s after the cut")
+            logs = "".join(p.output() for p in peers)
+            assert "cut off from the others' process groups" in logs, logs[-3000:]
+            seen = [len(p.lines) for p in peers]
+            hosts.heal(hosts.hosts[victim])
+            for p, after in zip(peers, seen, strict=True):
+                wait_gen(p, 3, after=after, timeout=90)
+            end.touch()
+            for p in peers:
+                assert p.wait(180) == 0, p.output()
+            found = results(peers)
+            assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+        finally:
+            c.close()
+            etcd.stop()

@@ -185,6 +185,9 @@ def status_document(job: str, snap: ViewSnapshot, now: float,
         "pid": m.record.pid,
         "age_s": round(now - m.record.started_unix, 1),
         "draining": m.id in snap.drains,
+        # Whom it reports it cannot reach, and whether the others' reports leave it out.
+        "unreachable": sorted(snap.unreachable.get(m.id, ())),
+        "cut_off": m.id in snap.cut_off(),
         "last_seen_s": (seen or {}).get(m.id),  # since its last lease keep-alive
     } for m in snap.by_age]
     p = snap.progress

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from peer_elastic.config import JobSettings
@@ -319,6 +319,29 @@ class Coordinator:
             self.writer.ack(AckKind.BROKEN, generation, self.lease_id, detail[:500])
         except EtcdError as exc:
             log.warning("could not mark generation %d broken: %s", generation, exc)
+            return False
+        return True
+
+    def report_unreachable(self, members: Collection[str], generation: int) -> bool:
+        """Record that this member's process groups cannot reach ``members`` (best effort,
+        as :meth:`mark_broken`; :mod:`~peer_elastic.etcd.reach`)."""
+        if self.writer is None:
+            return False
+        try:
+            self.writer.report_unreachable(members, generation, self.lease_id)
+        except EtcdError as exc:
+            log.warning("could not report unreachable members %s: %s", sorted(members), exc)
+            return False
+        return True
+
+    def clear_unreachable(self) -> bool:
+        """Withdraw this member's report: everyone it named answers again (best effort)."""
+        if self.writer is None:
+            return False
+        try:
+            self.writer.clear_unreachable()
+        except EtcdError as exc:
+            log.warning("could not withdraw the report of unreachable members: %s", exc)
             return False
         return True
 

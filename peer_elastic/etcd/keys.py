@@ -12,6 +12,7 @@
 /peer-elastic/<job>/<run>/gen/<n>/store/...     torch Store keys (run lease)
 /peer-elastic/<job>/<run>/drain/<member>        DrainRecord (run lease)
 /peer-elastic/<job>/<run>/fenced/<member>       FenceRecord (run lease): it took itself out
+/peer-elastic/<job>/<run>/unreachable/<member>  ReachRecord (member lease): whom it cannot reach
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)
 /peer-elastic/<job>/<run>/progress              ProgressRecord (run lease)
@@ -130,6 +131,9 @@ class RunKeys:
     def fenced(self, member_id: str) -> str:
         return f"{self.prefix}fenced/{member_id}"
 
+    def unreachable(self, member_id: str) -> str:
+        return f"{self.prefix}unreachable/{member_id}"
+
     def failures(self, host: str) -> str:
         return f"{self.prefix}failures/{host}"
 
@@ -167,6 +171,7 @@ class KeyKind(enum.Enum):
     ARRIVED = "arrived"
     DRAIN = "drain"
     FENCED = "fenced"
+    UNREACHABLE = "unreachable"
     FAILURES = "failures"
     BLACKLIST = "blacklist"
     PROGRESS = "progress"
@@ -180,7 +185,7 @@ class ParsedKey:
     """A key taken apart by :func:`parse`.
 
     ``name`` is the last segment where the key has one: the member id (members, acks,
-    drain, fenced), the host (failures, blacklist), the event's ``<ns>-<writer>``, or the
+    drain, fenced, unreachable), the host (failures, blacklist), the event's ``<ns>-<writer>``, or the
     rest of a store key. ``generation`` is set for keys under ``gen/<n>/``.
     """
 
@@ -194,6 +199,7 @@ class ParsedKey:
 _RUN_SINGLE = {"generation": KeyKind.GENERATION, "progress": KeyKind.PROGRESS,
                "done": KeyKind.DONE}
 _RUN_NAMED = {"members": KeyKind.MEMBER, "drain": KeyKind.DRAIN, "fenced": KeyKind.FENCED,
+              "unreachable": KeyKind.UNREACHABLE,
               "failures": KeyKind.FAILURES, "blacklist": KeyKind.BLACKLIST,
               "events": KeyKind.EVENT}
 _ACKS = {"ready": KeyKind.READY, "broken": KeyKind.BROKEN, "alive": KeyKind.ALIVE}

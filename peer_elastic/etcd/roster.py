@@ -5,7 +5,8 @@ one place and makes it easy to test without etcd.
 
 Rules:
 
-* Eligible members are live, not drained, not fenced, not on a blacklisted host, and not *silent*
+* Eligible members are live, not drained, not fenced, not on a blacklisted host, not cut off
+  from the others' process groups (:mod:`~peer_elastic.etcd.reach`), and not *silent*
   (in the current roster, yet without an ack past ``join_timeout``, or without an ack and
   confirmed dead by a refused probe: :mod:`~peer_elastic.etcd.deaths`).
 * The next roster keeps the surviving members of the current roster in their rank order,
@@ -201,7 +202,15 @@ def _departures(snap: ViewSnapshot, removed: tuple[str, ...], dropped: tuple[str
     if hung:
         parts.append("hung (training thread stuck past hang_timeout_s): " + _names(hung))
         causes.append(GenerationCause.GENERATION_CAUSE_HUNG)
-    left = [m for m in removed if m not in dropped and m not in snap.fenced]
+    cut = snap.cut_off()
+    unreachable = [m for m in removed if m not in dropped and m not in snap.fenced
+                   and m in cut and m in snap.members and m not in snap.drains]
+    if unreachable:
+        parts.append("cut off from the others' process groups (reported unreachable): "
+                     + _names(unreachable))
+        causes.append(GenerationCause.GENERATION_CAUSE_UNREACHABLE)
+    left = [m for m in removed if m not in dropped and m not in snap.fenced
+            and m not in unreachable]
     if left:
         parts.append("left: " + _names(left))
         causes.extend(c for c in _LEFT_CAUSES if any(_left_cause(snap, m) == c for m in left))

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from peer_elastic.errors import RecordError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 from peer_elastic.etcd.keys import KeyKind, ParsedKey, job_prefix, parse
+from peer_elastic.etcd.reach import cut_off
 from peer_elastic.etcd.watch import PrefixWatch
 from peer_elastic.records import (
     AckRecord,
@@ -31,6 +32,7 @@ from peer_elastic.records import (
     HostRecord,
     MemberRecord,
     ProgressRecord,
+    ReachRecord,
     RunRecord,
     decode,
 )
@@ -77,6 +79,7 @@ class _RunState:
     broken: dict[int, dict[str, str]] = field(default_factory=dict)
     drains: set[str] = field(default_factory=set)
     fenced: dict[str, FenceRecord] = field(default_factory=dict)
+    unreachable: dict[str, frozenset[str]] = field(default_factory=dict)  # ReachRecords
     blacklist: dict[str, HostRecord] = field(default_factory=dict)
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
@@ -110,6 +113,9 @@ class ViewSnapshot:
     event_count: int = 0  # keys under events/ (the leader prunes the oldest beyond a cap)
     # Members that took themselves out (a hung training thread): never eligible again.
     fenced: Mapping[str, FenceRecord] = field(default_factory=lambda: MappingProxyType({}))
+    # Reporter -> the members whose process-group address it cannot reach (etcd/reach.py).
+    unreachable: Mapping[str, frozenset[str]] = field(
+        default_factory=lambda: MappingProxyType({}))
 
     @property
     def generation_number(self) -> int:
@@ -135,17 +141,29 @@ class ViewSnapshot:
         """Members whose coordination thread answered "alive" after ``n`` broke."""
         return self.alive.get(n, frozenset())
 
+    def cut_off(self) -> frozenset[str]:
+        """Live members left out of rosters because the others' process groups cannot
+        reach them, or they cannot reach the others (:func:`peer_elastic.etcd.reach.cut_off`
+        of the reports). Computed once per snapshot."""
+        cached = self.__dict__.get("_cut_off")
+        if cached is None:
+            cached = cut_off(self.unreachable, [m.id for m in self.by_age]) \
+                if self.unreachable else frozenset()
+            object.__setattr__(self, "_cut_off", cached)
+        return cached
+
     def eligible(self) -> list[Member]:
         """Members, oldest first, that may be in a roster: not drained, not fenced, host not
-        blacklisted.
+        blacklisted, not cut off from the others (:meth:`cut_off`).
 
         Computed once per snapshot (many members of one process read the same snapshot).
         """
         cached = self.__dict__.get("_eligible")
         if cached is None:
+            cut = self.cut_off()
             cached = tuple(m for m in self.by_age
                            if m.id not in self.drains and m.id not in self.fenced
-                           and m.host not in self.blacklist)
+                           and m.host not in self.blacklist and m.id not in cut)
             object.__setattr__(self, "_eligible", cached)
         return list(cached)
 
@@ -357,6 +375,14 @@ class JobView:
             if name not in st.fenced:
                 self._membership_changed_at = time.monotonic()  # eligibility changed
             st.fenced[name] = fence
+        elif kind is KeyKind.UNREACHABLE:
+            reach = decode(ReachRecord, kv.value, kv.key)
+            if reach.member_id != name:
+                raise RecordError(f"{kv.key}: member id {reach.member_id!r} does not match its key")
+            seen = frozenset(reach.unreachable)
+            if st.unreachable.get(name) != seen:
+                self._membership_changed_at = time.monotonic()  # eligibility may change
+            st.unreachable[name] = seen
         elif kind is KeyKind.BLACKLIST:
             if name not in st.blacklist:
                 self._membership_changed_at = time.monotonic()
@@ -405,6 +431,9 @@ class JobView:
             st.drains.discard(name)
         elif kind is KeyKind.FENCED:
             st.fenced.pop(name, None)
+        elif kind is KeyKind.UNREACHABLE:
+            if st.unreachable.pop(name, None) is not None:
+                self._membership_changed_at = time.monotonic()  # eligibility may change
         elif kind is KeyKind.BLACKLIST:
             if st.blacklist.pop(name, None) is not None:
                 self._membership_changed_at = time.monotonic()  # the host is eligible again
@@ -443,5 +472,6 @@ class JobView:
             connected_at=self._watch.connected_at,
             event_count=len(st.events),
             fenced=MappingProxyType(dict(st.fenced)),
+            unreachable=MappingProxyType(dict(st.unreachable)),
         )
 

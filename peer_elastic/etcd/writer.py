@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from peer_elastic.errors import EtcdError
 from peer_elastic.etcd.acks import batcher_for
@@ -28,6 +28,7 @@ from peer_elastic.records import (
     GenerationRecord,
     HostRecord,
     ProgressRecord,
+    ReachRecord,
     encode,
 )
 
@@ -83,6 +84,18 @@ class RunWriter:
         key = {AckKind.READY: self.keys.ready, AckKind.ALIVE: self.keys.alive,
                AckKind.BROKEN: self.keys.broken}[kind](generation, self.member_id)
         batcher_for(self.client).put(key, encode(rec), member_lease)
+
+    def report_unreachable(self, members: Collection[str], generation: int,
+                           member_lease: int) -> None:
+        """Say which members this one cannot reach (:mod:`~peer_elastic.etcd.reach`), under
+        the member lease (the report ends with the member)."""
+        rec = ReachRecord(member_id=self.member_id, unreachable=sorted(members),
+                          generation=generation, unix=time.time())
+        self.client.put(self.keys.unreachable(self.member_id), encode(rec), member_lease)
+
+    def clear_unreachable(self) -> None:
+        """Every member this one reported answers again."""
+        self.client.delete(self.keys.unreachable(self.member_id))
 
     def progress(self, rec: ProgressRecord) -> None:
         """Write the last committed position (``status`` shows it)."""

@@ -20,6 +20,7 @@ class GenerationCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GENERATION_CAUSE_JOINED: _ClassVar[GenerationCause]
     GENERATION_CAUSE_CAPPED: _ClassVar[GenerationCause]
     GENERATION_CAUSE_BELOW_MIN_NP: _ClassVar[GenerationCause]
+    GENERATION_CAUSE_UNREACHABLE: _ClassVar[GenerationCause]
 
 class FenceCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ GENERATION_CAUSE_RESIZED: GenerationCause
 GENERATION_CAUSE_JOINED: GenerationCause
 GENERATION_CAUSE_CAPPED: GenerationCause
 GENERATION_CAUSE_BELOW_MIN_NP: GenerationCause
+GENERATION_CAUSE_UNREACHABLE: GenerationCause
 FENCE_CAUSE_UNSPECIFIED: FenceCause
 FENCE_CAUSE_HUNG: FenceCause
 DONE_CAUSE_UNSPECIFIED: DoneCause
@@ -206,6 +208,20 @@ class FenceRecord(_message.Message):
     unix: float
     generation: int
     def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., cause: _Optional[_Union[FenceCause, str]] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReachRecord(_message.Message):
+    __slots__ = ("schema", "member_id", "unreachable", "generation", "unix")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    member_id: str
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    generation: int
+    unix: float
+    def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., unreachable: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., unix: _Optional[float] = ...) -> None: ...
 
 class HostRecord(_message.Message):
     __slots__ = ("schema", "host", "failures", "unix", "reason")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.etcd.reach import ReachReporter
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
     CANNOT_COMPLETE,
@@ -41,6 +42,7 @@ from peer_elastic.etcd.stop import (
     StopCause,
     stop_reason,
 )
+from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 
 #: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
 _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+#: How often a peer waiting to be listed re-checks its own advertised address.
+_ADDRESS_RECHECK_S = 1.0
 
 
 def resolve_backend(backend: str) -> str:
@@ -159,6 +163,9 @@ class GroupManager:
         self._connections = GroupConnections()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
         self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
+        self._reach = ReachReporter(  # members this peer cannot reach, kept true in etcd
+            lambda members, n: coordinator.report_unreachable(members, n),
+            lambda: coordinator.clear_unreachable(), self._probe_member)
         self._is_etcd = endpoint_matcher(
             (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
 
@@ -191,6 +198,7 @@ class GroupManager:
         """Destroy the current group and let go of every destroyed one (the peer is done
         with groups); waits at most ``wait_s`` for their collectives in flight to end."""
         self.destroy()
+        self._reach.close()
         self._retired.release(wait_s)
 
     def form(self, after: int) -> FormedGroup:
@@ -204,7 +212,7 @@ class GroupManager:
         while True:
             self.attempts += 1
             t0 = time.monotonic()
-            a = coord.wait_generation(after=after)
+            a = self._wait_listed(after)
             if not coord.wait_ready(a.generation):
                 log.info("generation %d superseded before everyone acknowledged it", a.generation)
                 continue
@@ -245,6 +253,17 @@ class GroupManager:
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
+
+    def _wait_listed(self, after: int) -> Assignment:
+        """``coordinator.wait_generation(after)``, re-checking this peer's own address while
+        it waits (:meth:`_check_own_address`)."""
+        while True:
+            self._check_own_address(self.coordinator.snapshot())
+            try:
+                return self.coordinator.wait_generation(after=after,
+                                                        timeout=_ADDRESS_RECHECK_S)
+            except TimeoutError:
+                continue
 
     @contextlib.contextmanager
     def adopting_connections(self) -> Iterator[None]:
@@ -341,20 +360,41 @@ class GroupManager:
 
     # -- reachability of the roster's advertised addresses (peer_elastic.netaddr) ---------------
 
-    def _unreachable(self, a: Assignment) -> list[str]:
-        """One line per roster member whose advertised group address this peer cannot reach.
+    def _unreachable(self, a: Assignment) -> dict[str, str]:
+        """Member id -> a line saying why, for each roster member whose advertised group
+        address this peer cannot reach.
 
         Raises :class:`ConfigError` when this peer itself advertises a loopback address
         while a member on another host does not: nobody else can ever reach it.
         """
         coord = self.coordinator
         snap = coord.snapshot()
-        me = snap.members.get(coord.member_id)
-        mine = me.record.net_address if me is not None else ""
+        mine = self._check_own_address(snap)
         others = [snap.members[m] for m in a.roster
                   if m != coord.member_id and m in snap.members]
+        targets = [m for m in others if m.record.net_address and m.record.probe_port]
+        if not targets:
+            return {}
+        timeout = self._probe_timeout_s()
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            whys = list(pool.map(lambda m: probe(m.record.net_address, m.record.probe_port,
+                                                 timeout), targets))
+        return {m.id: f"{m.id} on host {m.host} advertises {m.record.net_address} for its "
+                f"process groups, but this peer ({coord.member_id} on host {coord.host}, "
+                f"{mine or 'no address'}) cannot reach "
+                f"{host_port(m.record.net_address, m.record.probe_port)}: {why}; {FIX}"
+                for m, why in zip(targets, whys, strict=True) if why is not None}
+
+    def _check_own_address(self, snap: ViewSnapshot) -> str:
+        """This peer's advertised group address. Raises :class:`ConfigError` when it is a
+        loopback address while a member on another host advertises a real one: nobody else
+        can ever reach it. Checked before every rendezvous and while waiting as a standby
+        (the others' reports cut such a peer off, so it may never reach a rendezvous)."""
+        coord = self.coordinator
+        me = snap.members.get(coord.member_id)
+        mine = me.record.net_address if me is not None else ""
         if mine and is_loopback(mine):
-            for m in others:
+            for m in snap.by_age:
                 addr = m.record.net_address
                 if addr and not is_loopback(addr) and m.host != coord.host:
                     raise ConfigError(
@@ -363,18 +403,19 @@ class GroupManager:
                         f"{m.host} is at {addr}: no other host can reach it (etcd is reached "
                         f"over loopback here, so the route to etcd names no network "
                         f"interface); {FIX}")
-        targets = [m for m in others if m.record.net_address and m.record.probe_port]
-        if not targets:
-            return []
-        timeout = max(0.5, min(2.0, self.collective_timeout_s / 4))
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            whys = list(pool.map(lambda m: probe(m.record.net_address, m.record.probe_port,
-                                                 timeout), targets))
-        return [f"{m.id} on host {m.host} advertises {m.record.net_address} for its process "
-                f"groups, but this peer ({coord.member_id} on host {coord.host}, "
-                f"{mine or 'no address'}) cannot reach "
-                f"{host_port(m.record.net_address, m.record.probe_port)}: {why}; {FIX}"
-                for m, why in zip(targets, whys, strict=True) if why is not None]
+        return mine
+
+    def _probe_timeout_s(self) -> float:
+        return max(0.5, min(2.0, self.collective_timeout_s / 4))
+
+    def _probe_member(self, member_id: str) -> str | None:
+        """Why ``member_id``'s group address does not answer now; None when it does, or when
+        it is no member any more (for :class:`~peer_elastic.etcd.reach.ReachReporter`)."""
+        m = self.coordinator.snapshot().members.get(member_id)
+        if m is None or not m.record.net_address or not m.record.probe_port:
+            return None
+        return probe(m.record.net_address, m.record.probe_port, self._probe_timeout_s(),
+                     attempts=1)
 
     def _wait_reachable(self, a: Assignment, pending: GroupId) -> bool:
         """Before ``init_process_group``: True once every roster member's address answers.
@@ -387,10 +428,13 @@ class GroupManager:
         problems = self._unreachable(a)
         if not problems:
             return True
-        for line in problems:
+        for line in problems.values():
             log.error("generation %d: %s", a.generation, line)
-        self.coordinator.record_event("unreachable peer", "; ".join(problems)[:1000],
+        self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
                                       generation=a.generation)
+        # In etcd too: the leader leaves out whichever side of a cut is smaller (reach.py),
+        # so a member that keeps its lease but not its network does not stall everyone.
+        self._reach.report(a.generation, problems)
         deadline = time.monotonic() + self.collective_timeout_s
         while time.monotonic() < deadline:
             time.sleep(0.5)
@@ -401,7 +445,8 @@ class GroupManager:
             if not problems:
                 log.info("generation %d: every member is reachable now", a.generation)
                 return True
-        self._mark_broken(a.generation, "unreachable: " + "; ".join(problems))
+            self._reach.report(a.generation, problems)
+        self._mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
         return False
 
     def _commit(self, a: Assignment, pending: GroupId) -> bool:

@@ -13,7 +13,9 @@ maps to 127.0.1.1 (the trap that makes gloo advertise a loopback address). Nothi
 environment tells a peer which interface to use.
 
 :meth:`Hosts.cut` partitions one host from everything (a silent drop: a ``pfifo limit 0``
-qdisc on both ends of its veth, else the link taken down); :meth:`Hosts.heal` undoes it.
+qdisc on both ends of its veth, else the link taken down), :meth:`Hosts.cut_from_peers`
+from the other hosts only (etcd, on the bridge, stays reachable); :meth:`Hosts.heal` undoes
+either.
 Everything is created under fresh random names; :meth:`Hosts.close` kills what still runs
 inside the namespaces and deletes them, the links and the bridge.
 """
@@ -52,7 +54,7 @@ class Host:
     ip4: str
     ip6: str
     hosts_file: str
-    cut_mode: str = ""  # "" while not cut; "drop" or "down"
+    cut_mode: str = ""  # "" while not cut; "drop" or "down" (cut), "peers" (cut_from_peers)
 
     def exec_args(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host: its network, hostname and /etc/hosts (same PID)."""
@@ -173,8 +175,45 @@ class Hosts:
         run_cmd("ip", "link", "set", h.host_if, "down")
         h.cut_mode = "down"
 
+    def cut_from_peers(self, h: Host) -> None:
+        """Partition ``h`` from the other hosts but not from the bridge (etcd): a silent drop
+        of its traffic to and from the hosts' subnet, except the bridge's own addresses
+        (an htb qdisc whose u32 filters send that traffic to a ``pfifo limit 0`` class on
+        both ends of its veth). Raises :class:`NetnsUnavailable` where the kernel lacks
+        them."""
+        sub4 = self.bridge_ip4.rsplit(".", 1)[0] + ".0/24"
+        sub6 = self.bridge_ip6.rsplit("::", 1)[0] + "::/64"
+        inside = ("ip", "netns", "exec", h.netns)
+        try:
+            self._drop_but_bridge(inside, h.ns_if, "dst", sub4, sub6)
+            self._drop_but_bridge((), h.host_if, "src", sub4, sub6)
+        except RuntimeError as exc:
+            run_cmd(*inside, "tc", "qdisc", "del", "dev", h.ns_if, "root", check=False)
+            run_cmd("tc", "qdisc", "del", "dev", h.host_if, "root", check=False)
+            raise NetnsUnavailable(f"cutting a host from its peers with tc failed: {exc}") from exc
+        h.cut_mode = "peers"
+
+    def _drop_but_bridge(self, where: tuple[str, ...], dev: str, side: str, sub4: str,
+                         sub6: str) -> None:
+        tc = (*where, "tc")
+        run_cmd(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        for cls in ("1:10", "1:20"):
+            run_cmd(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb",
+                    "rate", "10gbit")
+        run_cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo",
+                "limit", "0")
+        f = (*tc, "filter", "add", "dev", dev, "parent", "1:")
+        run_cmd(*f, "protocol", "ip", "prio", "1", "u32", "match", "ip", side,
+                f"{self.bridge_ip4}/32", "flowid", "1:10")
+        run_cmd(*f, "protocol", "ip", "prio", "2", "u32", "match", "ip", side, sub4,
+                "flowid", "1:20")
+        run_cmd(*f, "protocol", "ipv6", "prio", "3", "u32", "match", "ip6", side,
+                f"{self.bridge_ip6}/128", "flowid", "1:10")
+        run_cmd(*f, "protocol", "ipv6", "prio", "4", "u32", "match", "ip6", side, sub6,
+                "flowid", "1:20")
+
     def heal(self, h: Host) -> None:
-        if h.cut_mode == "drop":
+        if h.cut_mode in ("drop", "peers"):
             run_cmd("ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", h.ns_if, "root")
             run_cmd("tc", "qdisc", "del", "dev", h.host_if, "root")
         elif h.cut_mode == "down":

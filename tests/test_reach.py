@@ -1,0 +1,185 @@
+"""Members cut off from the others' process groups (peer_elastic/etcd/reach.py): the rule that
+picks who goes, the reporter that keeps a report true, the record, and the view and roster
+that act on it. The real thing (three hosts, one cut off from the others but not from etcd)
+is tests/test_partition.py::test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+
+from peer_elastic.errors import RecordError
+from peer_elastic.etcd.reach import ReachReporter, cut_off
+from peer_elastic.etcd.roster import plan_next_generation
+from peer_elastic.records import GenerationCause, ReachRecord, decode, encode
+from tests.test_roster import cfg, snap
+
+AGE = ["a", "b", "c", "d", "e"]  # oldest first
+
+
+# -- the rule -------------------------------------------------------------------------------------
+
+
+def test_a_member_alone_on_the_far_side_of_a_cut_goes_even_the_oldest() -> None:
+    reports = {"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}
+    assert cut_off(reports, AGE[:3]) == {"a"}
+
+
+def test_one_sided_reports_are_enough() -> None:
+    # Only the others managed to report (the cut-off member's etcd write failed).
+    assert cut_off({"b": {"c"}, "a": {"c"}}, AGE[:3]) == {"c"}
+
+
+def test_of_two_equal_halves_the_one_with_the_oldest_member_stays() -> None:
+    reports = {"a": {"c", "d"}, "b": {"c", "d"}, "c": {"a", "b"}, "d": {"a", "b"}}
+    assert cut_off(reports, AGE[:4]) == {"c", "d"}
+
+
+def test_two_members_that_cannot_reach_each_other_keep_the_older() -> None:
+    assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:2]) == {"b"}
+
+
+def test_dead_members_and_unknown_names_are_ignored() -> None:
+    # "z" is no live member (its key is gone); a report by a dead member counts for nothing.
+    assert cut_off({"a": {"z"}, "z": {"a", "b"}}, AGE[:3]) == frozenset()
+    assert cut_off({}, AGE) == frozenset()
+
+
+def test_a_member_never_cuts_itself_off_by_naming_itself() -> None:
+    assert cut_off({"a": {"a"}}, AGE[:2]) == frozenset()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_what_stays_can_reach_itself_and_the_rule_is_deterministic(seed: int) -> None:
+    rng = random.Random(seed)
+    live = AGE[: rng.randint(2, 5)]
+    reports = {m: {o for o in live if o != m and rng.random() < 0.3} for m in live}
+    gone = cut_off(reports, live)
+    stays = [m for m in live if m not in gone]
+    assert stays, "somebody always stays"
+    for m in stays:
+        assert not (reports[m] & set(stays)), (reports, gone)
+    # Whatever order the reports come in, the same members go (every member agrees).
+    shuffled = dict(sorted(reports.items(), key=lambda _: rng.random()))
+    assert cut_off(shuffled, live) == gone
+
+
+# -- the record ------------------------------------------------------------------------------------
+
+
+def test_the_record_round_trips_and_is_validated() -> None:
+    rec = ReachRecord(member_id="a", unreachable=["b", "c"], generation=4, unix=1.0)
+    back = decode(ReachRecord, encode(rec), "k")
+    assert list(back.unreachable) == ["b", "c"] and back.generation == 4
+    for bad in (ReachRecord(member_id="a", unreachable=[]),
+                ReachRecord(member_id="a", unreachable=["a"]),
+                ReachRecord(member_id="a", unreachable=["b", "b"]),
+                ReachRecord(member_id="a", unreachable=["x/y"]),
+                ReachRecord(member_id="../a", unreachable=["b"])):
+        with pytest.raises(RecordError):
+            decode(ReachRecord, encode(bad), "k")
+
+
+# -- the reporter ----------------------------------------------------------------------------------
+
+
+class FakeEtcd:
+    """The reporter's writes and the answers its probes get."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.record: frozenset[str] | None = None
+        self.writes: list[frozenset[str] | None] = []
+        self.down: set[str] = set()
+
+    def write(self, members: frozenset[str], generation: int) -> None:
+        with self.cond:
+            self.record = members
+            self.writes.append(members)
+            self.cond.notify_all()
+
+    def erase(self) -> None:
+        with self.cond:
+            self.record = None
+            self.writes.append(None)
+            self.cond.notify_all()
+
+    def probe(self, member: str) -> str | None:
+        with self.cond:
+            return "no answer" if member in self.down else None
+
+    def wait(self, want: frozenset[str] | None, timeout: float = 10.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.record == want, timeout)
+
+
+def test_a_report_is_written_at_once_and_withdrawn_as_members_answer() -> None:
+    etcd = FakeEtcd()
+    etcd.down = {"b", "c"}
+    rep = ReachReporter(etcd.write, etcd.erase, etcd.probe, reprobe_s=0.02)
+    rep.report(3, ["b", "c"])
+    assert etcd.record == {"b", "c"}  # written on the caller's thread
+    with etcd.cond:
+        etcd.down.discard("b")
+    assert etcd.wait(frozenset({"c"}))
+    with etcd.cond:
+        etcd.down.clear()
+    assert etcd.wait(None)
+    assert rep.reported == frozenset()
+    # A new report after it went quiet starts re-probing again.
+    with etcd.cond:
+        etcd.down = {"d"}
+    rep.report(4, ["d"])
+    assert etcd.record == {"d"}
+    with etcd.cond:
+        etcd.down.clear()
+    assert etcd.wait(None)
+    rep.close()
+
+
+def test_reports_add_up_and_close_erases_the_record() -> None:
+    etcd = FakeEtcd()
+    etcd.down = {"b", "c"}
+    rep = ReachReporter(etcd.write, etcd.erase, etcd.probe, reprobe_s=0.02)
+    rep.report(1, ["b"])
+    rep.report(1, ["b"])  # nothing new: no write
+    rep.report(2, ["c"])
+    assert etcd.writes == [frozenset({"b"}), frozenset({"b", "c"})]
+    rep.close()
+    assert etcd.record is None
+    rep.report(3, ["b"])  # closed: ignored
+    assert etcd.record is None
+
+
+def test_close_without_erasing_leaves_the_record_to_its_lease() -> None:
+    etcd = FakeEtcd()
+    etcd.down = {"b"}
+    rep = ReachReporter(etcd.write, etcd.erase, etcd.probe, reprobe_s=0.02)
+    rep.report(1, ["b"])
+    rep.close(erase=False)
+    assert etcd.record == {"b"}
+
+
+# -- the view and the roster -----------------------------------------------------------------------
+
+
+def test_the_roster_leaves_out_the_cut_off_member_and_says_why() -> None:
+    reports = {"a-1": frozenset({"c-1"}), "b-1": frozenset({"c-1"}),
+               "c-1": frozenset({"a-1", "b-1"})}
+    s = replace(snap(["a-1", "b-1", "c-1"], gen=(2, ["a-1", "b-1", "c-1"])),
+                unreachable=MappingProxyType(reports))
+    assert s.cut_off() == {"c-1"}
+    assert [m.id for m in s.eligible()] == ["a-1", "b-1"]
+    plan = plan_next_generation(s, cfg(min_np=2), set(), 100)
+    assert plan.roster == ("a-1", "b-1") and plan.removed == ("c-1",)
+    assert plan.causes == (GenerationCause.GENERATION_CAUSE_UNREACHABLE,)
+    assert "cut off from the others' process groups" in plan.reason
+    # The reports withdrawn (the cut healed), it is eligible again: it joins.
+    s = snap(["a-1", "b-1", "c-1"], gen=(3, ["a-1", "b-1"]))
+    plan = plan_next_generation(s, cfg(min_np=2), set(), 100)
+    assert plan.roster == ("a-1", "b-1", "c-1") and plan.joined == ("c-1",)
