@@ -245,7 +245,7 @@ PEER_CUT_SETTINGS = dict(
     SETTINGS,
     # The first collective after the cut waits this long (the cut-off peer keeps its lease,
     # so nothing ends it sooner); then the rendezvous probes find who cannot reach whom.
-    PEER_ELASTIC_COLLECTIVE_TIMEOUT=10,
+    PEER_ELASTIC_COLLECTIVE_TIMEOUT=6,
     WORKER_SAMPLES=960,
     WORKER_EPOCHS=1000,  # ended by WORKER_END_FILE once the cut-off peer is back
 )
