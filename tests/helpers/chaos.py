@@ -643,8 +643,7 @@ class ChaosRunner:
         """The other running peers on ``p``'s host (several hosts only)."""
         if p.host is None:
             return []
-        return [q for q in self.peers
-                if q is not p and q.host is p.host and q.proc.proc.poll() is None]
+        return [q for q in self.running() if q is not p and q.host is p.host]
 
     def whole_host_takes(self, p: Tracked) -> list[Tracked]:
         """The peers that cutting off ``p``'s host with everyone on it takes away, when
