@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from peer_elastic.config import JobSettings
@@ -313,35 +313,31 @@ class Coordinator:
         leader also learns of the failure from the other ranks' marks, or at worst from the
         missing acks of the peer that failed; a lost lease is handled by rejoining.
         """
-        if self.writer is None:
-            return False
-        try:
-            self.writer.ack(AckKind.BROKEN, generation, self.lease_id, detail[:500])
-        except EtcdError as exc:
-            log.warning("could not mark generation %d broken: %s", generation, exc)
-            return False
-        return True
+        return self._best_effort(
+            f"mark generation {generation} broken",
+            lambda w: w.ack(AckKind.BROKEN, generation, self.lease_id, detail[:500]))
 
     def report_unreachable(self, members: Collection[str], generation: int) -> bool:
         """Record that this member's process groups cannot reach ``members`` (best effort,
         as :meth:`mark_broken`; :mod:`~peer_elastic.etcd.reach`)."""
-        if self.writer is None:
-            return False
-        try:
-            self.writer.report_unreachable(members, generation, self.lease_id)
-        except EtcdError as exc:
-            log.warning("could not report unreachable members %s: %s", sorted(members), exc)
-            return False
-        return True
+        return self._best_effort(
+            f"report unreachable members {sorted(members)}",
+            lambda w: w.report_unreachable(members, generation, self.lease_id))
 
     def clear_unreachable(self) -> bool:
         """Withdraw this member's report: everyone it named answers again (best effort)."""
+        return self._best_effort("withdraw the report of unreachable members",
+                                 lambda w: w.clear_unreachable())
+
+    def _best_effort(self, what: str, write: Callable[[RunWriter], object]) -> bool:
+        """``write`` with this registration's writer; False (logged) when there is none or
+        etcd did not take it."""
         if self.writer is None:
             return False
         try:
-            self.writer.clear_unreachable()
+            write(self.writer)
         except EtcdError as exc:
-            log.warning("could not withdraw the report of unreachable members: %s", exc)
+            log.warning("could not %s: %s", what, exc)
             return False
         return True
 
