@@ -198,19 +198,20 @@ def _departures(snap: ViewSnapshot, removed: tuple[str, ...], dropped: tuple[str
     if dropped:
         causes.append(GenerationCause.GENERATION_CAUSE_DROPPED)
     # A member that fenced itself (its training thread hung) went with a record saying so.
-    hung = [m for m in removed if m not in dropped and m in snap.fenced]
+    undropped = [m for m in removed if m not in dropped]
+    hung = [m for m in undropped if m in snap.fenced]
     if hung:
         parts.append("hung (training thread stuck past hang_timeout_s): " + _names(hung))
         causes.append(GenerationCause.GENERATION_CAUSE_HUNG)
+    # cut_off() holds live members only; a drained one that is also cut off left gracefully.
     cut = snap.cut_off()
-    unreachable = [m for m in removed if m not in dropped and m not in snap.fenced
-                   and m in cut and m in snap.members and m not in snap.drains]
+    unreachable = [m for m in undropped if m not in snap.fenced and m in cut
+                   and m not in snap.drains]
     if unreachable:
         parts.append("cut off from the others' process groups (reported unreachable): "
                      + _names(unreachable))
         causes.append(GenerationCause.GENERATION_CAUSE_UNREACHABLE)
-    left = [m for m in removed if m not in dropped and m not in snap.fenced
-            and m not in unreachable]
+    left = [m for m in undropped if m not in snap.fenced and m not in unreachable]
     if left:
         parts.append("left: " + _names(left))
         causes.extend(c for c in _LEFT_CAUSES if any(_left_cause(snap, m) == c for m in left))
