@@ -205,6 +205,13 @@ def select_address(endpoints: Iterable[tuple[str, int]], *, apply: bool = True,
 # -- reachability --------------------------------------------------------------------------------
 
 
+def plain_ip(address: str) -> str:
+    """``address`` without brackets, a zone or an IPv4-mapped prefix (``::ffff:10.0.0.2``
+    is how a dual-stack socket shows an IPv4 peer), to compare addresses as written."""
+    ip = address.strip("[]").split("%", 1)[0]
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
 def host_port(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 

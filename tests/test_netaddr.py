@@ -13,6 +13,7 @@ from peer_elastic.netaddr import (
     GLOO_IFNAME,
     ProbeListener,
     interface_addresses,
+    plain_ip,
     probe,
     select_address,
 )
@@ -93,3 +94,11 @@ def test_probe() -> None:
     finally:
         p.close()
     assert probe("127.0.0.1", p.port, timeout=1, attempts=1) is not None
+
+
+def test_plain_ip_compares_addresses_as_written() -> None:
+    assert plain_ip("[fd15::11]") == "fd15::11"
+    assert plain_ip("fe80::1%eth0") == "fe80::1"
+    assert plain_ip("::ffff:10.0.0.2") == "10.0.0.2"  # an IPv4 peer on a dual-stack socket
+    assert plain_ip("::ffff:a00:2") == "::ffff:a00:2"  # written as hex: left as it is
+    assert plain_ip("10.0.0.2") == "10.0.0.2"

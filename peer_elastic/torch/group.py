@@ -43,7 +43,7 @@ from peer_elastic.etcd.stop import (
     stop_reason,
 )
 from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
+from peer_elastic.netaddr import FIX, host_port, is_loopback, plain_ip, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
@@ -78,13 +78,6 @@ def is_collective_failure(exc: BaseException) -> bool:
             "process group", "Application timeout caused pair closure",
         ))
     return False
-
-
-def _plain_ip(address: str) -> str:
-    """``address`` without brackets, a zone or an IPv4-mapped prefix (``::ffff:10.0.0.2``
-    is how a dual-stack socket shows an IPv4 peer)."""
-    ip = address.strip("[]").split("%", 1)[0]
-    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 
 
 def known_groups() -> list[object]:
@@ -275,11 +268,11 @@ class GroupManager:
             yield
             return
         snap = self.coordinator.snapshot()
-        roster_ips = {_plain_ip(m.record.net_address) for i in group.roster
+        roster_ips = {plain_ip(m.record.net_address) for i in group.roster
                       if (m := snap.members.get(i)) is not None and m.record.net_address}
 
         def elsewhere(host: str, port: int) -> bool:
-            return self._is_etcd(host, port) or _plain_ip(host) not in roster_ips
+            return self._is_etcd(host, port) or plain_ip(host) not in roster_ips
 
         with GroupConnections.capture(exclude=elsewhere) as more:
             yield
