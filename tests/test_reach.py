@@ -1,6 +1,7 @@
 """Members cut off from the others' process groups (peer_elastic/etcd/reach.py): the rule that
 picks who goes, the reporter that keeps a report true, the record, and the view and roster
-that act on it. The real thing (three hosts, one cut off from the others but not from etcd)
+that act on it; the reporter against a fake etcd and against a real one (real coordinators,
+whose leader writes the generations). The real thing on the network (three hosts, one cut off from the others but not from etcd)
 is tests/test_partition.py::test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals.
 """
 
@@ -183,3 +184,61 @@ def test_the_roster_leaves_out_the_cut_off_member_and_says_why() -> None:
     s = snap(["a-1", "b-1", "c-1"], gen=(3, ["a-1", "b-1"]))
     plan = plan_next_generation(s, cfg(min_np=2), set(), 100)
     assert plan.roster == ("a-1", "b-1", "c-1") and plan.joined == ("c-1",)
+
+
+# -- the same on a real etcd, with real coordinators (their leader writes the generations) --------
+
+
+def test_reports_in_etcd_take_a_member_out_and_their_withdrawal_brings_it_back(
+        etcd: str, unique_job: str) -> None:
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.admin import status_document
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    fast = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0,
+                       min_np=2)
+    made: list[tuple[Coordinator, EtcdClient]] = []
+    try:
+        for _ in range(3):
+            client = EtcdClient(etcd)
+            made.append((Coordinator(client, unique_job, fast).start(), client))
+        a, b, c = (coord for coord, _ in made)
+
+        def roster(size: int) -> tuple[str, ...]:
+            snap = a.view.wait_for(lambda s: s.generation is not None
+                                   and len(s.generation.roster) == size, 30)
+            assert snap is not None, f"no generation of {size}"
+            return tuple(snap.generation.roster)
+
+        assert set(roster(3)) == {a.member_id, b.member_id, c.member_id}
+        down = {c.member_id}  # what the probes cannot reach, as the real ones would say
+        lock = threading.Lock()
+
+        def probe(member: str) -> str | None:
+            with lock:
+                return "no answer" if member in down else None
+
+        reporters = [ReachReporter(lambda ms, n, k=k: k.report_unreachable(ms, n),
+                                   k.clear_unreachable, probe, reprobe_s=0.05) for k in (a, b)]
+        n = a.snapshot().generation_number
+        for rep in reporters:
+            rep.report(n, [c.member_id])
+        assert set(roster(2)) == {a.member_id, b.member_id}
+        snap = a.snapshot()
+        assert GenerationCause.GENERATION_CAUSE_UNREACHABLE in snap.generation.causes
+        assert snap.cut_off() == {c.member_id}
+        doc = status_document(unique_job, snap, now=0.0)
+        shown = {m["id"]: (m["cut_off"], m["unreachable"]) for m in doc["members"]}
+        assert shown[c.member_id] == (True, [])
+        assert shown[a.member_id] == (False, [c.member_id])
+        with lock:
+            down.clear()  # the cut heals: the reporters withdraw, c is admitted again
+        assert set(roster(3)) == {a.member_id, b.member_id, c.member_id}
+        assert not a.snapshot().unreachable
+        for rep in reporters:
+            rep.close()
+    finally:
+        for coord, client in made:
+            coord.close()
+            client.close()
