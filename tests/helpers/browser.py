@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
+
+
+class PageError(AssertionError):
+    """Chromium answered a protocol call with an error."""
 
 
 class Browser:
@@ -87,7 +92,7 @@ class Browser:
         if not ok or answer is None:
             raise AssertionError(f"chromium gave no answer to {method} in {timeout} s")
         if "error" in answer:
-            raise AssertionError(f"chromium: {method}: {answer['error']}")
+            raise PageError(f"chromium: {method}: {answer['error']}")
         return answer.get("result", {})
 
     def goto(self, url: str) -> None:
@@ -95,10 +100,21 @@ class Browser:
         self.session = self.call("Target.attachToTarget", targetId=target,
                                  flatten=True)["sessionId"]
 
-    def evaluate(self, expression: str) -> Any:
-        res = self.call("Runtime.evaluate", session=self.session, expression=expression,
-                        returnByValue=True)
-        return res.get("result", {}).get("value")
+    def evaluate(self, expression: str, timeout: float = 30) -> Any:
+        """``expression``'s value in the page. While the page is still being created or
+        navigated it has no execution context for a moment ("Cannot find default execution
+        context", "Execution context was destroyed"): that is retried (bounded), any other
+        error is raised."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                res = self.call("Runtime.evaluate", session=self.session,
+                                expression=expression, returnByValue=True)
+                return res.get("result", {}).get("value")
+            except PageError as e:
+                if "context" not in str(e).lower() or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)  # the page's context appears on its own: sample again
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", session=self.session, format="png")["data"]
