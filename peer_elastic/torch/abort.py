@@ -106,6 +106,13 @@ class GroupConnections:
         found = cls()
         before = socket_inodes()
         yield found
+        found.inodes = cls.opened_since(before, exclude).inodes
+
+    @classmethod
+    def opened_since(cls, before: dict[int, int],
+                     exclude: Callable[[str, int], bool]) -> GroupConnections:
+        """The connections open now that were not in ``before`` (a :func:`socket_inodes`)
+        and lead anywhere but ``exclude``; listeners are never included."""
         kept = []
         for inode, fd in socket_inodes().items():
             if inode in before:
@@ -117,7 +124,7 @@ class GroupConnections:
                 peer = _peer_of(sock)
             if peer is not None and not exclude(*peer):
                 kept.append(inode)
-        found.inodes = frozenset(kept)
+        return cls(kept)
 
     def merged(self, other: GroupConnections) -> GroupConnections:
         """These connections and ``other``'s (a group's subgroups made after it formed)."""

@@ -10,6 +10,9 @@ manager moves on to the newer one; after it, every member forms the group (a sup
 one is left at the next check), and gives up only when it can never complete: a member's
 lease is gone, the job is done, or this peer's registration changed. Giving up after
 publishing an address would leave the peers that read it connecting to a rank that left.
+A member that dies there anyway leaves its peers waiting inside gloo; once the generation
+is doomed, each rank's :class:`~peer_elastic.torch.stranded_connect.FormingGuard` ends
+those waits, and a group formed after that is discarded.
 
 It also remembers the connections each group opened, so that a collective stuck on a peer
 whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
@@ -24,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.etcd.deaths import refused
 from peer_elastic.etcd.reach import ReachReporter
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
@@ -49,12 +53,16 @@ from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.retired_groups import RetiredGroups
 from peer_elastic.torch.store import EtcdStore
+from peer_elastic.torch.stranded_connect import FormingGuard
 
 log = logging.getLogger(__name__)
 
 
 #: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
 _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+#: A group being formed will never be used: a member still forming it a join timeout later
+#: is waiting for someone gone, and ends its waits (peer_elastic.torch.stranded_connect).
+GROUP_DOOMED = ABANDON_RENDEZVOUS | CANNOT_COMPLETE
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
 
@@ -214,11 +222,19 @@ class GroupManager:
             pending = GroupId(a.generation, a.roster, incarnation)
             if not self._wait_reachable(a, pending) or not self._commit(a, pending):
                 continue
+            # gloo: a member gone mid-connect must not strand this rank in gloo's wait for it.
+            guard = FormingGuard(
+                a.rank, a.size, lambda p=pending: self._abort_reason(p, GROUP_DOOMED),
+                coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
+                on_stuck=lambda a=a: self._report_deaths_while_forming(a),
+            ) if self.backend == "gloo" else None
             store = self._store = self._new_store(
-                pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE)
+                pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE,
+                on_set=guard.saw_value if guard is not None else None)
             init_timeout_s = self.init_timeout_s(a.size)
             try:
-                with GroupConnections.capture(exclude=self._is_etcd) as connections:
+                with guard or contextlib.nullcontext(), \
+                        GroupConnections.capture(exclude=self._is_etcd) as connections:
                     dist.init_process_group(
                         self.backend, store=store, rank=a.rank, world_size=a.size,
                         timeout=timedelta(seconds=init_timeout_s),
@@ -242,6 +258,13 @@ class GroupManager:
             with self._lock:
                 self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation)
                 self._connections = connections
+            if guard is not None and guard.fired is not None:
+                # Formed only because the guard handed gloo closed sockets: broken.
+                log.info("generation %d formed after it was superseded (%s): discarded",
+                         a.generation, guard.fired)
+                self.destroy()
+                coord.check()
+                continue
             coord.view.wake()
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
@@ -288,8 +311,10 @@ class GroupManager:
         Past the commit point every member is on its way into the rendezvous, so its waits
         and connections take milliseconds among live peers. A member killed in the middle
         leaves the others waiting inside gloo, out of reach, for five times the group timeout
-        (measured on torch 2.13: 150 s at the default 30 s). So the group is formed with
-        this shorter timeout and given the collective timeout once formed: at least 5 s and
+        (measured on torch 2.13: 150 s at the default 30 s). The formation guard
+        (:mod:`peer_elastic.torch.stranded_connect`) frees them once the generation is
+        doomed; as a backstop for when it cannot, the group is formed with this shorter
+        timeout and given the collective timeout once formed: at least 5 s and
         four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
         lost), plus 20 ms per rank (each rank reads every other rank's address from etcd,
         one round trip each, before it has connected to all). Never more than the
@@ -299,8 +324,12 @@ class GroupManager:
         """
         if _SET_GROUP_TIMEOUT is None or self.backend != "gloo":
             return self.collective_timeout_s
-        join_timeout_s = float(self.coordinator.config.join_timeout_s or 1.0)
-        return min(self.collective_timeout_s, max(5.0, 4 * join_timeout_s) + 0.02 * size)
+        return min(self.collective_timeout_s,
+                   max(5.0, 4 * self._join_timeout_s()) + 0.02 * size)
+
+    def _join_timeout_s(self) -> float:
+        """How long a member may stay silent before it counts as lost."""
+        return float(self.coordinator.config.join_timeout_s or 1.0)
 
     # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
 
@@ -442,6 +471,32 @@ class GroupManager:
         self._mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
         return False
 
+    def _report_deaths_while_forming(self, a: Assignment) -> None:
+        """This rank has been forming ``a``'s group for longer than a join timeout: a roster
+        member whose probe port refuses connections died there, after it acknowledged the
+        generation (so the leader's ack wait misses it). Marking the generation broken
+        makes the leader write the next one, which frees every rank's formation guard.
+        Probes as the death prober does (:mod:`peer_elastic.etcd.deaths`): only a refusal
+        is proof, and loopback addresses only in a job on loopback."""
+        coord = self.coordinator
+        snap = coord.snapshot()
+        me = snap.members.get(coord.member_id)
+        local = me is not None and is_loopback(me.record.net_address)
+        targets = [m for i in a.roster if i != coord.member_id
+                   and (m := snap.members.get(i)) is not None and m.record.probe_port
+                   and m.record.net_address and (local or not is_loopback(m.record.net_address))]
+        if not targets:
+            return
+        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+            answers = list(pool.map(
+                lambda m: refused(m.record.net_address, m.record.probe_port), targets))
+        dead = [m for m, why in zip(targets, answers, strict=True) if why is not None]
+        if dead:
+            names = ", ".join(f"{m.id} on host {m.host}" for m in dead)
+            log.warning("generation %d: %s died while the group formed (probe refused)",
+                        a.generation, names)
+            self._mark_broken(a.generation, f"{names} died while the group formed")
+
     def _commit(self, a: Assignment, pending: GroupId) -> bool:
         """Pass the commit point of ``a``'s rendezvous; False when this peer withdrew
         (superseded, or not everyone arrived in time): form the next generation."""
@@ -458,8 +513,8 @@ class GroupManager:
             self._mark_broken(a.generation, f"rendezvous: {result.detail}")
         return False
 
-    def _new_store(self, pending: GroupId, prefix: str,
-                   give_up_on: Collection[StopCause]) -> EtcdStore:
+    def _new_store(self, pending: GroupId, prefix: str, give_up_on: Collection[StopCause],
+                   on_set: Callable[[str, bytes], None] | None = None) -> EtcdStore:
         coord = self.coordinator
         assert coord.run is not None
         return EtcdStore(
@@ -468,6 +523,7 @@ class GroupManager:
             lease_id=coord.run.lease_id,
             timeout=timedelta(seconds=self.rendezvous_timeout_s),
             abort=lambda: self._abort_reason(pending, give_up_on),
+            on_set=on_set,
         )
 
     def _abort_reason(self, pending: GroupId,

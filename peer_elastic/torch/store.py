@@ -156,6 +156,7 @@ class EtcdStore(dist.Store):
         abort: AbortFn | None = None,
         *,
         abort_poll_s: float = 0.1,
+        on_set: Callable[[str, bytes], None] | None = None,
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         self._client = client
@@ -163,6 +164,7 @@ class EtcdStore(dist.Store):
         self.lease_id = lease_id
         self._abort = abort
         self.abort_poll_s = abort_poll_s
+        self._on_set = on_set  # sees each set(key, value): torch's writes, as it makes them
         self.abort_reason: str | None = None  # the reason of the last StoreAborted raised
         # Markers of add/append calls that returned: deleted by the next such write.
         self._spent_markers: list[str] = []
@@ -302,7 +304,10 @@ class EtcdStore(dist.Store):
 
     def set(self, key: str, value: bytes | str) -> None:
         """Write ``value`` under the run lease (overwrites, like torch's stores)."""
-        self._client.put(self._key(key), _to_bytes(value), lease=self.lease_id)
+        data = _to_bytes(value)
+        self._client.put(self._key(key), data, lease=self.lease_id)
+        if self._on_set is not None:
+            self._on_set(key, data)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""

@@ -32,6 +32,7 @@ from peer_elastic.errors import JobFinished
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.keys import KeyKind, parse
+from peer_elastic.netaddr import ProbeListener
 from peer_elastic.torch.group import GroupManager, is_collective_failure
 from peer_elastic.torch.store import EtcdStore
 
@@ -79,7 +80,10 @@ def main() -> int:
     endpoints, job = os.environ["PEER_ELASTIC_ETCD"], os.environ["PEER_ELASTIC_JOB"]
     settings = JobSettings.from_env()
     client = EtcdClient(endpoints, retry_budget_s=30)
-    coord = Coordinator(client, job, settings).start()
+    # As pe.join() does: a probe listener on the group address, so a death is provable.
+    probe = ProbeListener("127.0.0.1")
+    coord = Coordinator(client, job, settings, net_address="127.0.0.1",
+                        probe_port=probe.port).start()
     print(f"MEMBER {coord.member_id}", flush=True)
     times = int(os.environ.get("GROUP_PROC_SUPERSEDE", "0"))
     if times:
@@ -111,6 +115,7 @@ def main() -> int:
         groups.destroy()
         coord.close()
         client.close()
+        probe.close()
 
 
 if __name__ == "__main__":
