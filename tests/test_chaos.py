@@ -2,7 +2,8 @@
 
 Four peers of ``tests/helpers/elastic_worker.py`` plus a standby (``max_np=4``) train over a
 3-member etcd cluster while a seeded schedule applies ``$PEER_ELASTIC_CHAOS_EVENTS`` (default
-12; the suite's seeded schedules in test_schedules.py add more) random events: SIGKILL, SIGTERM, a new peer, SIGSTOP past the lease TTL then SIGCONT,
+6, every kind at least once; 12 or more: every kind twice; the suite's seeded schedules in
+test_schedules.py add more) random events: SIGKILL, SIGTERM, a new peer, SIGSTOP past the lease TTL then SIGCONT,
 kill (or graceful stop) and restart of one etcd member, and of all three. At the end the job
 has completed, every sample of every epoch was counted exactly once in the committed model,
 all ranks are bit-identical, every peer not SIGKILLed exited 0, and no peer process is left.
@@ -11,7 +12,7 @@ The seed is printed (``CHAOS SEED <seed>``) and is part of every failure message
 run with ``PEER_ELASTIC_CHAOS_SEED=<seed>``. Every peer's full output and the etcd logs are
 kept under the test's tmp_path (``chaos-<seed>/``). Schedule and runner: tests/helpers/chaos.py.
 
-    python -m pytest tests/test_chaos.py -s                                # ~1 min, 12 events
+    python -m pytest tests/test_chaos.py -s                                # ~30 s, every kind once
     PEER_ELASTIC_CHAOS_SEED=1234 python -m pytest tests/test_chaos.py -s   # replay a seed
     PEER_ELASTIC_CHAOS_EVENTS=200 python -m pytest tests/test_chaos.py -s  # soak (~13 min)
     python benchmarks/soak.py --events 200 [--seed N] [--runs K]           # the same, no pytest
@@ -37,7 +38,11 @@ from tests.helpers.chaos import (
 
 pytestmark = pytest.mark.slow
 
-N_EVENTS = events_from_env(12)  # every kind at least twice (make_schedule pads)
+# The suite's run: every kind at least once (make_schedule pads), about half a minute; the
+# seeded schedules of test_schedules.py draw the same kinds and more. A longer run asked for
+# with PEER_ELASTIC_CHAOS_EVENTS gets every kind at least twice.
+N_EVENTS = events_from_env(6)
+MIN_EACH = 1 if N_EVENTS < 12 else 2
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7, 12345, 2**31 - 1])
@@ -70,10 +75,10 @@ def test_chaos_exactly_once(etcd_cluster: EtcdCluster, unique_job: str, tmp_path
     seed = seed_from_env()
     record_property("chaos_seed", seed)
     runner, result, problems = run_chaos(etcd_cluster, unique_job, seed, N_EVENTS,
-                                         log_dir=tmp_path / f"chaos-{seed}")
+                                         log_dir=tmp_path / f"chaos-{seed}", min_each=MIN_EACH)
     tag = runner.tag()
     assert not problems, f"{tag}:\n" + "\n".join(problems) + "\nevents:\n" + runner.history()
     assert result["exact"] and result["identical"], f"{tag}: {result}"
     assert len(runner.applied) >= N_EVENTS, f"{tag}: {len(runner.applied)} applied"
     applied = Counter(a.event.kind for a in runner.applied)
-    assert all(applied[k] >= 2 for k in KINDS), f"{tag}: {applied}"
+    assert all(applied[k] >= MIN_EACH for k in KINDS), f"{tag}: {applied}"

@@ -81,6 +81,15 @@ def test_set_get_raw_bytes_and_overwrite(store: EtcdStore, client: EtcdClient,
     assert store.get("a/b") == b"text"
 
 
+def test_on_set_sees_each_write_after_etcd_holds_it(client: EtcdClient, prefix: str) -> None:
+    seen: list[tuple[str, bytes, bytes | None]] = []
+    with EtcdStore(client, prefix, on_set=lambda k, v: seen.append(
+            (k, v, client.get(prefix + k).value))) as store:
+        store.set("0/1", b"\x00rank record")
+        store.set("x", "text")
+    assert seen == [("0/1", b"\x00rank record", b"\x00rank record"), ("x", b"text", b"text")]
+
+
 def test_get_blocks_until_set_then_times_out(store: EtcdStore) -> None:
     later(0.3, lambda: store.set("late", b"v"))
     t0 = time.monotonic()

@@ -187,3 +187,21 @@ def test_a_released_listener_is_freed_long_before_gloos_connect_timeout() -> Non
     print(f"freed {took:.2f} s after the start: {outcome[0][:200]}")
     assert guard.fired == "test: generation 2 superseded"
     assert took < 7.5, f"{took:.1f} s: gloo's own wait is 15 s"
+
+
+def test_a_formation_stuck_past_the_grace_asks_for_deaths_and_releases_nothing() -> None:
+    never = Superseded()
+    called: list[float] = []
+    asked = threading.Event()
+
+    def on_stuck() -> None:
+        called.append(time.monotonic())
+        asked.set()
+
+    guard = FormingGuard(0, 2, never, never, lambda host, port: False, grace_s=0.3,
+                         on_stuck=on_stuck)
+    t0 = time.monotonic()
+    with guard:
+        assert asked.wait(30), "on_stuck never called"
+    assert called[0] - t0 >= 0.3  # not before the grace: live members form in milliseconds
+    assert guard.fired is None  # nothing doomed the generation: nothing was released

@@ -827,13 +827,14 @@ class ChaosRunner:
 
 def run_chaos(etcd: EtcdCluster, job: str, seed: int, n_events: int, *,
               out: Callable[[str], None] = print, finish_timeout_s: float | None = None,
-              log_dir: str | os.PathLike[str] | None = None,
+              log_dir: str | os.PathLike[str] | None = None, min_each: int = 2,
               **kwargs: Any) -> tuple[ChaosRunner, dict[str, Any], list[str]]:
-    """The whole run: schedule, start, apply, finish, verify. Returns the runner (its
-    ``applied`` and ``summary()``), rank 0's RESULT and the problems found (empty: passed).
-    With ``log_dir``, every peer's full output and the etcd logs are written there."""
+    """The whole run: schedule (every kind at least ``min_each`` times), start, apply,
+    finish, verify. Returns the runner (its ``applied`` and ``summary()``), rank 0's RESULT
+    and the problems found (empty: passed). With ``log_dir``, every peer's full output and
+    the etcd logs are written there."""
     out(f"CHAOS SEED {seed}")
-    schedule = make_schedule(seed, n_events)
+    schedule = make_schedule(seed, n_events, min_each=min_each)
     runner = ChaosRunner(seed, schedule, etcd, job, out=out, **kwargs)
     try:
         runner.start()
