@@ -8,7 +8,14 @@ import threading
 from types import MappingProxyType
 
 from peer_elastic.config import JobSettings
-from peer_elastic.etcd.deaths import Death, DeathProber, missing_acks, probe_targets, refused
+from peer_elastic.etcd.deaths import (
+    Death,
+    DeathProber,
+    missing_acks,
+    probe_targets,
+    probeable,
+    refused,
+)
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
@@ -94,6 +101,18 @@ def test_a_loopback_address_is_probed_only_from_a_loopback_address() -> None:
     assert probe_targets(s, "a-1", {}) == []
     assert [t.member_id for t in probe_targets(snap(ALL, ALL, ready=["a-1"]), "a-1", {})] \
         == ["b-1", "c-1", "d-1"]  # all on 127.0.0.1: one host
+
+
+def test_probeable_applies_the_same_rules_to_any_members() -> None:
+    # What a rank stuck forming a group probes (GroupManager._report_deaths_while_forming).
+    s = snap(ALL, ALL)
+    assert [t.member_id for t in probeable(s, "a-1", s.members.values())] \
+        == ["b-1", "c-1", "d-1"]  # never itself
+    assert [(t.address, t.port) for t in probeable(s, "a-1", [s.members["c-1"]])] \
+        == [("127.0.0.1", 5002)]
+    assert probeable(snap(ALL, ALL, ports=False), "a-1", s.members.values()) == []
+    # From a member whose key is gone (not on loopback as far as anyone knows): no loopback.
+    assert probeable(s, "gone-1", s.members.values()) == []
 
 
 def test_a_confirmed_death_is_silent_at_once_only_while_it_owes_an_ack() -> None:

@@ -39,7 +39,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -120,8 +120,15 @@ def probe_targets(snap: ViewSnapshot, me: str, dead: Mapping[str, Death]) -> lis
             break
     if writer:
         chosen = [snap.members[m] for m in sorted(missing, key=_age(snap)) if m not in dead]
-    local = is_loopback(snap.members[me].record.net_address)
-    return [ProbeTarget(m.id, m.record.net_address, m.record.probe_port) for m in chosen
+    return probeable(snap, me, chosen)
+
+
+def probeable(snap: ViewSnapshot, me: str, members: Iterable[Member]) -> list[ProbeTarget]:
+    """Of ``members``, those ``me`` may probe (module docstring): with a group address and
+    a probe port, not ``me``, and on loopback only when ``me`` is on loopback too."""
+    mine = snap.members.get(me)
+    local = mine is not None and is_loopback(mine.record.net_address)
+    return [ProbeTarget(m.id, m.record.net_address, m.record.probe_port) for m in members
             if m.record.net_address and m.record.probe_port and m.id != me
             and (local or not is_loopback(m.record.net_address))]
 

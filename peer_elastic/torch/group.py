@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
-from peer_elastic.etcd.deaths import refused
+from peer_elastic.etcd.deaths import probeable, refused
 from peer_elastic.etcd.reach import ReachReporter
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
@@ -480,19 +480,15 @@ class GroupManager:
         is proof, and loopback addresses only in a job on loopback."""
         coord = self.coordinator
         snap = coord.snapshot()
-        me = snap.members.get(coord.member_id)
-        local = me is not None and is_loopback(me.record.net_address)
-        targets = [m for i in a.roster if i != coord.member_id
-                   and (m := snap.members.get(i)) is not None and m.record.probe_port
-                   and m.record.net_address and (local or not is_loopback(m.record.net_address))]
+        targets = probeable(snap, coord.member_id,
+                            [m for i in a.roster if (m := snap.members.get(i)) is not None])
         if not targets:
             return
         with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            answers = list(pool.map(
-                lambda m: refused(m.record.net_address, m.record.probe_port), targets))
-        dead = [m for m, why in zip(targets, answers, strict=True) if why is not None]
+            answers = list(pool.map(lambda t: refused(t.address, t.port), targets))
+        dead = [t for t, why in zip(targets, answers, strict=True) if why is not None]
         if dead:
-            names = ", ".join(f"{m.id} on host {m.host}" for m in dead)
+            names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in dead)
             log.warning("generation %d: %s died while the group formed (probe refused)",
                         a.generation, names)
             self._mark_broken(a.generation, f"{names} died while the group formed")
