@@ -87,7 +87,10 @@ class Peer:
             self._watchdog = HangWatchdog(self.groups, coordinator.view)
         # Training-thread liveness (peer_elastic.liveness): a training thread stuck in its own
         # code for hang_timeout_s makes this peer dump its stacks, fence itself and exit.
-        self._liveness = TrainingWatch(coordinator, lambda: self.generation)
+        # A collective that waits long makes the group manager check it can still reach
+        # its peers: a peer cut off from them (not from etcd) keeps its lease.
+        self._liveness = TrainingWatch(coordinator, lambda: self.generation,
+                                       on_waiting=self.groups.waited_on_peers)
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_buf: torch.Tensor | None = None

@@ -28,6 +28,12 @@ So the training thread is watched too:
   lease gone, so the others drop it at once with the reason "hung"), and exit the process
   with :data:`EXIT_HUNG`, so that systemd or a scheduler restarts it as a new member.
 
+The detector also knows how long the thread has waited on its peers without a break
+(:meth:`HangDetector.waiting_on_peers_s`, with hang detection on or off); the monitor tells
+the peer's group manager, which probes the group's members when a wait grows long (a peer
+cut off from the others but not from etcd keeps its lease: see
+``GroupManager.waited_on_peers``).
+
 Why a peer waiting on the hung one is not declared hung itself: it is in a collective (the
 hung peer is the one in its own code), and a collective restarts its clock. Why a slow
 step is not: the clock only runs out after ``hang_timeout_s`` of user code with no step and
@@ -249,7 +255,14 @@ class HangDetector:
         # freeze: the clock runs from the later of this and the recorded progress.
         self._credit_at = -math.inf
         self._planned_at: float | None = None
+        self._waiting_since: float | None = None  # first poll of the current wait on peers
         self.freezes = 0
+
+    def waiting_on_peers_s(self) -> float:
+        """How long the training thread has been waiting on other peers without a break,
+        as of the last poll (0 when it is not). Known whether or not hang detection is on."""
+        since = self._waiting_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
 
     def poll(self) -> Verdict:
         now = self._clock()
@@ -269,13 +282,19 @@ class HangDetector:
             timeout = float(self._timeout_s())
         except Exception:  # settings unreadable (closing): look again later
             timeout = 0.0
+        rec = self._liveness.read()
+        training = rec.activity is Activity.TRAINING and rec.thread_id is not None
+        waiting = training and (rec.in_collective or self._waits_on_peers(rec.thread_id))
+        if not waiting:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = now
         if not timeout > 0 or not math.isfinite(timeout):
             return Verdict(False, 0.0, 0.0, now + 1.0)  # off; the setting is read each time
         period = sample_period(timeout)
-        rec = self._liveness.read()
-        if rec.activity is not Activity.TRAINING or rec.thread_id is None:
+        if not training:
             return Verdict(False, 0.0, timeout, now + period)
-        if rec.in_collective or self._waits_on_peers(rec.thread_id):
+        if waiting:
             self._credit_at = now  # waiting on others is not this peer's hang
             return Verdict(False, 0.0, timeout, now + period)
         idle = now - max(rec.progress_at, self._credit_at)
@@ -301,9 +320,11 @@ class HangMonitor:
     """The thread that polls a :class:`HangDetector` and acts once on a hang."""
 
     def __init__(self, detector: HangDetector, on_hung: Callable[[HangReport], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_waiting: Callable[[float], None] | None = None) -> None:
         self._detector = detector
         self._on_hung = on_hung
+        self._on_waiting = on_waiting  # told after each poll how long the thread has waited
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -328,6 +349,9 @@ class HangMonitor:
                     self.fired = self._detector.report(verdict)
                     self._on_hung(self.fired)
                     return
+                waited = self._detector.waiting_on_peers_s()
+                if waited > 0 and self._on_waiting is not None:
+                    self._on_waiting(waited)
             except Exception:  # a bug here must not kill training; keep watching
                 log.exception("hang monitor failed; retrying")
                 verdict = Verdict(False, 0.0, 0.0, self._clock() + 1.0)
@@ -383,14 +407,17 @@ class TrainingWatch:
 
     def __init__(self, coordinator: Any, generation: Callable[[], int], *,
                  clock: Callable[[], float] = time.monotonic,
-                 exit: Callable[[int], Any] = os._exit) -> None:
+                 exit: Callable[[int], Any] = os._exit,
+                 on_waiting: Callable[[float], None] | None = None) -> None:
         self.liveness = TrainingLiveness(clock)
         self._coordinator = coordinator
         self._generation = generation
         self._exit = exit
         self.detector = HangDetector(
             self.liveness, lambda: float(coordinator.config.hang_timeout_s), clock=clock)
-        self.monitor = HangMonitor(self.detector, self._respond, clock)
+        # on_waiting: how long the training thread has waited on its peers, about every
+        # second while it does (the group manager probes them when that grows long).
+        self.monitor = HangMonitor(self.detector, self._respond, clock, on_waiting)
 
     def training(self) -> contextlib.AbstractContextManager[None]:
         return self.liveness.training()

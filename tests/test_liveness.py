@@ -142,6 +142,46 @@ def test_off_when_the_timeout_is_zero_and_the_setting_is_read_each_time(rig: Rig
         assert rig.run_for(3.1)
 
 
+@pytest.mark.parametrize("timeout", [3.0, 0.0])  # known with hang detection off too
+def test_how_long_the_thread_has_waited_on_peers_without_a_break(rig: Rig,
+                                                                 timeout: float) -> None:
+    rig.timeout = timeout
+    assert not rig.run_for(5.0)
+    assert rig.det.waiting_on_peers_s() == 0.0  # not training
+    with rig.live.training():
+        assert not rig.run_for(2.0)
+        assert rig.det.waiting_on_peers_s() == 0.0  # in its own code
+        rig.waiting = True
+        assert not rig.run_for(30.0)
+        assert 29.0 <= rig.det.waiting_on_peers_s() <= 30.0  # from the poll that saw it
+        rig.waiting = False
+        assert not rig.run_for(1.0)
+        assert rig.det.waiting_on_peers_s() == 0.0  # the wait ended: the next one starts at 0
+        with rig.live.collective():
+            assert not rig.run_for(4.0)
+            assert 3.0 <= rig.det.waiting_on_peers_s() <= 4.0
+
+
+def test_the_monitor_tells_how_long_the_thread_waits_on_peers() -> None:
+    live = TrainingLiveness()
+    told: list[float] = []
+    twice = threading.Event()
+
+    def on_waiting(waited: float) -> None:
+        told.append(waited)
+        if len(told) >= 2:
+            twice.set()
+
+    mon = HangMonitor(HangDetector(live, lambda: 0.5), lambda r: None, on_waiting=on_waiting)
+    with live.training(), live.collective():
+        mon.start()
+        try:
+            assert twice.wait(30), told
+        finally:
+            mon.stop()
+    assert told[1] > told[0] >= 0.0
+
+
 def test_sample_period_is_a_tenth_of_the_timeout_at_most_a_second() -> None:
     assert sample_period(3.0) == pytest.approx(0.3)
     assert sample_period(30.0) == 1.0

@@ -36,3 +36,20 @@ def test_group_causes_need_a_group_and_nothing_holds_in_a_healthy_job() -> None:
     reason = stop_reason(_coord(incarnation=2), group, _snap(), causes=RESET_NOW)
     assert reason is not None and reason.cause is StopCause.LEASE_LOST
     assert stop_reason(_coord(incarnation=2), None, _snap(), causes=RESET_NOW) is None
+
+
+def test_a_cut_off_roster_member_means_the_group_cannot_complete_after_a_lost_one() -> None:
+    from peer_elastic.etcd.stop import CANNOT_COMPLETE
+
+    group = GroupId(generation=3, roster=("m", "x", "y"), incarnation=1)
+    snap = SimpleNamespace(generation=None, done=None, members={"m": 1, "x": 1, "y": 1},
+                           cut_off=lambda: frozenset({"y", "z"}))
+    reason = stop_reason(_coord(), group, snap, causes=CANNOT_COMPLETE)
+    assert reason is not None and reason.cause is StopCause.CUT_OFF and reason.lost == ("y",)
+    assert "y of generation 3 is cut off" in reason.detail
+    snap.members = {"m": 1, "y": 1}  # x's lease is gone too: that is said first
+    reason = stop_reason(_coord(), group, snap, causes=CANNOT_COMPLETE)
+    assert reason is not None and reason.cause is StopCause.PEER_LOST
+    snap.cut_off = lambda: frozenset({"z"})  # a member of no concern to this group
+    snap.members = {"m": 1, "x": 1, "y": 1}
+    assert stop_reason(_coord(), group, snap, causes=CANNOT_COMPLETE) is None

@@ -54,6 +54,7 @@ class StopCause(enum.Enum):
     JOB_DONE = "job_done"  # the run's ``done`` record exists
     LEFT = "left"  # this peer was drained and the newest roster no longer lists it
     PEER_LOST = "peer_lost"  # a roster member's key is gone (its lease ended)
+    CUT_OFF = "cut_off"  # a roster member is cut off from the others' groups (etcd/reach.py)
     SUPERSEDED = "superseded"  # the newest generation is another one
     NOT_IN_ROSTER = "not_in_roster"  # the group's generation no longer lists this peer
 
@@ -64,7 +65,7 @@ class StopReason:
 
     cause: StopCause
     detail: str
-    lost: tuple[str, ...] = ()  # PEER_LOST: the roster members whose keys are gone
+    lost: tuple[str, ...] = ()  # PEER_LOST, CUT_OFF: the roster members concerned
 
     def __str__(self) -> str:
         return self.detail
@@ -98,7 +99,7 @@ RESET_NOW = frozenset({StopCause.FATAL, StopCause.LEASE_LOST, StopCause.JOB_DONE
 #: The watchdog: the group's collectives cannot complete (JOB_DONE means they need not:
 #: peers leave one by one, nothing is stuck).
 CANNOT_COMPLETE = frozenset({StopCause.FATAL, StopCause.LEASE_LOST, StopCause.JOB_DONE,
-                             StopCause.PEER_LOST})
+                             StopCause.PEER_LOST, StopCause.CUT_OFF})
 #: A rendezvous gives up on its generation (before its commit point, see
 #: ``peer_elastic.torch.barrier``).
 ABANDON_RENDEZVOUS = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.SUPERSEDED,
@@ -154,6 +155,15 @@ def _check(cause: StopCause, coord: Coordinator, group: GroupRef | None,
             return None
         return StopReason(cause, f"{', '.join(gone)} of generation {n} lost "
                                  f"{'its lease' if len(gone) == 1 else 'their leases'}", gone)
+    if cause is StopCause.CUT_OFF:
+        # The reports say a member and the others cannot reach each other: a collective
+        # among them waits for the collective timeout, whichever side this peer is on.
+        cut = tuple(m for m in group.roster if m in snap.cut_off())
+        if not cut:
+            return None
+        return StopReason(cause, f"{', '.join(cut)} of generation {n} "
+                                 f"{'is' if len(cut) == 1 else 'are'} cut off from the "
+                                 "others' process groups (reported unreachable)", cut)
     if cause is StopCause.SUPERSEDED:
         if snap.generation_number != n:
             return StopReason(cause, f"generation {n} was superseded by "

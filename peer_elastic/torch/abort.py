@@ -16,7 +16,9 @@ peer connected to it, which the run loop already handles as a failed collective:
 the last commit and re-form. nccl has a real abort, which :class:`HangWatchdog` uses.
 
 :class:`HangWatchdog` decides when: a member of the group this peer trains in has lost its
-lease (its key is gone from the watched view), or this peer itself lost its lease. It first
+lease (its key is gone from the watched view), or is cut off from the others' groups (the
+reachability reports of :mod:`peer_elastic.etcd.reach`, which a long wait in a collective
+triggers), or this peer itself lost its lease. It first
 gives the training thread ``grace_s`` to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
 group that is still current after the grace is cut. Subgroups that reset callbacks create

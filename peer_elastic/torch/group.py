@@ -63,6 +63,10 @@ _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
 #: A group being formed will never be used: a member still forming it a join timeout later
 #: is waiting for someone gone, and ends its waits (peer_elastic.torch.stranded_connect).
 GROUP_DOOMED = ABANDON_RENDEZVOUS | CANNOT_COMPLETE
+#: A collective that has waited this long (or two join timeouts, if longer) makes the rank
+#: probe its group's members, then again every _STALL_PROBE_EVERY_S while it waits.
+_STALL_PROBE_AFTER_S = 2.0
+_STALL_PROBE_EVERY_S = 5.0
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
 
@@ -169,6 +173,8 @@ class GroupManager:
             lambda: coordinator.clear_unreachable(), self._probe_member)
         self._is_etcd = endpoint_matcher(
             (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
+        self._next_stall_probe = 0.0  # time.monotonic(); under _lock
+        self._stall_probe: threading.Thread | None = None
 
     def destroy(self) -> None:
         """Tear down the current group (if any). Safe after a failed collective or init."""
@@ -381,6 +387,50 @@ class GroupManager:
         return True
 
     # -- reachability of the roster's advertised addresses (peer_elastic.netaddr) ---------------
+
+    def waited_on_peers(self, waited_s: float) -> None:
+        """The training thread has waited on its peers for ``waited_s`` without a break (the
+        hang monitor says so about every second while it does).
+
+        A member cut off from the others but not from etcd keeps its lease, so nothing ends
+        such a wait before the collective timeout. So once it has lasted two join timeouts
+        (at least 2 s), the current group's members are probed on a thread of their own,
+        again every 5 s while the wait lasts, and the unreachable ones are reported
+        (:mod:`peer_elastic.etcd.reach`): the leader leaves the cut-off side out, and the
+        hang watchdog abandons the group (cause ``CUT_OFF``). A live member answers the
+        probe however slow or stopped it is (its kernel accepts), so a straggler costs
+        this only a few connections.
+        """
+        group = self.current
+        if group is None or group.assignment.size <= 1:
+            return
+        if waited_s < max(_STALL_PROBE_AFTER_S, 2 * self._join_timeout_s()):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_stall_probe or (
+                    self._stall_probe is not None and self._stall_probe.is_alive()):
+                return
+            self._next_stall_probe = now + _STALL_PROBE_EVERY_S
+            self._stall_probe = threading.Thread(
+                target=self._probe_waited_group, args=(group, waited_s), name="stall-probe",
+                daemon=True)
+            self._stall_probe.start()
+
+    def _probe_waited_group(self, group: FormedGroup, waited_s: float) -> None:
+        try:
+            problems = self._unreachable(group.assignment)
+        except PeerElasticError as exc:  # this peer's own address, etcd: the rendezvous says
+            log.debug("probing generation %d's members: %s", group.generation, exc)
+            return
+        if not problems or group is not self.current:
+            return
+        for line in problems.values():
+            log.error("generation %d: a collective has waited %.0f s: %s", group.generation,
+                      waited_s, line)
+        self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
+                                      generation=group.generation)
+        self._reach.report(group.generation, problems)
 
     def _unreachable(self, a: Assignment) -> dict[str, str]:
         """Member id -> a line saying why, for each roster member whose advertised group
