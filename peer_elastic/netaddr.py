@@ -224,7 +224,9 @@ class ProbeListener:
         self._sock = socket.socket(fam, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((address, 0))
-        self._sock.listen(64)
+        # A stopped process still "answers" while its kernel queues connections: keep room
+        # for every peer's probes of a long stop (each prober: 1-2 per round).
+        self._sock.listen(1024)
         self.address = address
         self.port = int(self._sock.getsockname()[1])
         self._closed = False

@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -81,8 +82,12 @@ def etcd_on_link(netns: Netns) -> Iterator[EtcdTestServer]:
 
 
 @pytest.fixture
-def cluster(etcd_on_link: EtcdTestServer, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd_on_link.endpoint, unique_job, **SETTINGS)
+def cluster(etcd_on_link: EtcdTestServer, unique_job: str, tmp_path: Path) -> Iterator[Cluster]:
+    # Epochs without end, ended by END_FILE once the test saw what it must (end_job): the job
+    # outlasts the cut and the rejoin however slow the machine, and stops right after.
+    c = Cluster(etcd_on_link.endpoint, unique_job, **{
+        **SETTINGS, "WORKER_EPOCHS": 1000, "WORKER_SAMPLES": 960,
+        "WORKER_END_FILE": str(tmp_path / "end")})
     try:
         yield c
     finally:
@@ -227,6 +232,7 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
     wait_steps(c, 2, g_rejoin)
 
     # 4. The job finishes: every sample once, every rank identical, no process left behind.
+    Path(cluster.env["WORKER_END_FILE"]).touch()
     for p in (a, b, c):
         assert p.wait(180) == 0, p.output()
     found = results([a, b, c])
