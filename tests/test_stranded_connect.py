@@ -205,3 +205,16 @@ def test_a_formation_stuck_past_the_grace_asks_for_deaths_and_releases_nothing()
         assert asked.wait(30), "on_stuck never called"
     assert called[0] - t0 >= 0.3  # not before the grace: live members form in milliseconds
     assert guard.fired is None  # nothing doomed the generation: nothing was released
+
+
+def test_a_guard_past_its_grace_waits_on_changes_instead_of_spinning() -> None:
+    never = Superseded()
+    calls: list[float] = []
+
+    def superseded() -> str | None:
+        calls.append(time.monotonic())
+        return None
+
+    with FormingGuard(0, 2, superseded, never, lambda host, port: False, grace_s=0.05):
+        threading.Event().wait(1.5)  # measuring a rate over a span, not waiting for an effect
+    assert len(calls) <= 5, f"{len(calls)} checks in 1.5 s: the guard spins"

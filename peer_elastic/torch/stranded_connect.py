@@ -133,13 +133,10 @@ class FormingGuard:
     def __init__(self, rank: int, size: int, superseded: Callable[[], str | None],
                  changes: Changes, exclude: Callable[[str, int], bool],
                  grace_s: float = 1.0, on_stuck: Callable[[], None] | None = None) -> None:
-        self._rank = rank
-        self._grace_s = grace_s
-        self._on_stuck = on_stuck
-        self._size = size
-        self._superseded = superseded
-        self._changes = changes
+        self._rank, self._size = rank, size
+        self._superseded, self._changes = superseded, changes
         self._exclude = exclude
+        self._grace_s, self._on_stuck = grace_s, on_stuck
         self._record: GlooRankRecord | None = None
         self._before: dict[int, int] = {}
         self._stop = threading.Event()
@@ -175,11 +172,16 @@ class FormingGuard:
                 # Past the grace and not doomed: nobody may know yet that a member died
                 # here (it had acknowledged the generation, so no ack is missing).
                 now = time.monotonic()
-                if self._on_stuck is not None and now >= next_stuck_call:
-                    self._on_stuck()
-                    next_stuck_call = now + _REPEAT_S
-                version = self._changes.wait_change(
-                    version, max(0.0, min(_CHECK_S, next_stuck_call - now)), self._stop.is_set)
+                wait_s = _CHECK_S
+                if self._on_stuck is not None:
+                    if now >= next_stuck_call:
+                        next_stuck_call = now + _REPEAT_S
+                        try:
+                            self._on_stuck()
+                        except Exception:  # a bug there must not end the guarding
+                            log.exception("looking for members gone mid-rendezvous failed")
+                    wait_s = min(wait_s, next_stuck_call - now)
+                version = self._changes.wait_change(version, max(0.0, wait_s), self._stop.is_set)
                 continue
             left = started + self._grace_s - time.monotonic()
             if left > 0:  # live members finish forming within it: let them
@@ -194,5 +196,5 @@ class FormingGuard:
         cut = opened.cut()
         made = (release_listening_pairs(self._record, self._rank)
                 if self._record is not None else 0)
-        log.info("the group being formed is superseded (%s): shut down %d of its "
+        log.info("the group being formed will never be used (%s): shut down %d of its "
                  "connections, released %d waits for peers", reason, cut, made)
