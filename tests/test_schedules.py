@@ -77,11 +77,12 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         kinds.update(e.kind for e in plan.events)
         kinds.update(f"kill:{e.target}" for e in plan.events if e.kind == "kill")
         kinds.update("burst" for e in plan.events if e.burst)
+        kinds.update("peers_only" for e in plan.events if e.peers_only)
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
                          f"ddp={plan.pattern.ddp}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
-            "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst"}
+            "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only"}
     if hang_detection() is not None:
         want.add("hang")
     assert want <= set(kinds), kinds

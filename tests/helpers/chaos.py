@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
 from peer_elastic.testing import EtcdCluster
-from tests.helpers.hosts import Host, Hosts
+from tests.helpers.hosts import Host, Hosts, NetnsUnavailable
 from tests.helpers.procs import Cluster, PeerProc
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
@@ -222,6 +222,16 @@ def training_epochs(n_events: int) -> int:
 
 class ChaosFailure(AssertionError):
     """The job (or the runner) went wrong; the message names the seed and shows the evidence."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """How :meth:`ChaosRunner.held` took peers away: for the log, which, and whether they
+    kept their leases (a cut that spares etcd)."""
+
+    how: str
+    taken: list[Tracked]
+    keeps_lease: bool
 
 
 @dataclass
@@ -653,11 +663,12 @@ class ChaosRunner:
         return [p, *mates] if p.host is not None and elsewhere >= self.min_np else [p]
 
     @contextlib.contextmanager
-    def held(self, p: Tracked, whole_host: bool = False) -> Iterator[tuple[str, list[Tracked]]]:
+    def held(self, p: Tracked, whole_host: bool = False,
+             peers_only: bool = False) -> Iterator[Held]:
         """Take ``p`` away while the block runs: its host cut off from everything (a silent
         drop) when it is alone there, or when ``whole_host`` asks for a partition of every
         peer on it and enough peers run elsewhere (:meth:`whole_host_takes`); else SIGSTOP.
-        Yields how, and the peers taken away."""
+        ``peers_only``: a host cut spares etcd (the peers there keep their leases)."""
         hosts, host = self.hosts, self.lone_host(p)
         taken = [p]
         if hosts is not None and host is None and whole_host:
@@ -665,14 +676,24 @@ class ChaosRunner:
             host = p.host if len(taken) > 1 else None
         for q in taken:
             q.state, q.stops = "stopped", q.stops + 1
+        keeps_lease = False
         if hosts is not None and host is not None:
-            hosts.cut(host)
+            if peers_only:
+                try:
+                    hosts.cut_from_peers(host)
+                    keeps_lease = True
+                except NetnsUnavailable as exc:
+                    self.say(f"cutting {host.name} from its peers only failed ({exc}): "
+                             "cutting it off from everything")
+            if not keeps_lease:
+                hosts.cut(host)
         else:
             p.proc.signal(signal.SIGSTOP)
         try:
             how = "SIGSTOP" if host is None else (
-                f"{host.name} cut off" + (f" with {len(taken)} peers" if len(taken) > 1 else ""))
-            yield how, taken
+                f"{host.name} cut off" + (" from its peers" if keeps_lease else "")
+                + (f" with {len(taken)} peers" if len(taken) > 1 else ""))
+            yield Held(how, taken, keeps_lease)
         finally:
             if hosts is not None and host is not None:
                 hosts.heal(host)
@@ -684,11 +705,19 @@ class ChaosRunner:
     def _do_stop(self, ev: Event, a: Applied) -> None:
         p, in_roster = self._pick(ev, a)
         g0, roster = self.max_gen, self.roster()
-        with self.held(p, getattr(ev, "whole_host", False)) as (how, taken):
+        with self.held(p, getattr(ev, "whole_host", False),
+                       getattr(ev, "peers_only", False)) as held:
+            taken = held.taken
             registrations = {q.name: len(q.members) for q in taken}
             in_roster = in_roster or any(q in roster for q in taken)
             self.sleep(ev.hold_s)
-        a.detail = f"{how}, back after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
+        a.detail = f"{held.how}, back after {ev.hold_s:.1f}s (lease TTL {LEASE_TTL_S:.0f}s)"
+        if held.keeps_lease:
+            # Still members: left out once reported unreachable (or waited for, if healed
+            # first), back under the same ids. The job must simply train on.
+            a.detail += ", kept their leases"
+            self.wait_progress(f"{ev.describe()} of {a.target}")
+            return
         # Away past its TTL, each lost its lease: it must come back as a new member.
         for q in taken:
             if not self.wait_for(f"{q.name} to re-register after it came back",

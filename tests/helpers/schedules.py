@@ -34,6 +34,10 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
                     Half the stops (``whole_host``, drawn apart from the rest of the plan)
                     cut off the host even when other peers run there, a partition of all of
                     them, where enough peers run elsewhere to go on (else SIGSTOP).
+                    Half the long stops that cut a host (``peers_only``, drawn apart too)
+                    cut it from the other hosts only, not from etcd, for 4.5-16 s: its peers
+                    keep their leases, the others must leave them out or wait, and they
+                    rejoin under the same member ids once healed.
 * ``hang``          the training thread of a roster peer blocks forever while its process
                     lives (``WORKER_HANG_FILE``). Only generated when the library has hang
                     detection (:func:`hang_detection`); the others must train again within
@@ -120,11 +124,15 @@ class SEvent(Event):
     #                   roster member that is not rank 0) or "" (any running peer)
     whole_host: bool = False  # stop/stop_short on several hosts: cut the peer's host off
     #                   with every peer on it, where enough peers run elsewhere (a partition)
+    peers_only: bool = False  # stop on several hosts, where it cuts a host: from the other
+    #                   hosts only, not from etcd (the peers there keep their leases)
 
     def _describe(self) -> str:
         if self.kind in ("set_max", "set_min"):
             return f"#{self.index} {self.kind}={self.value}"
         host = " (its whole host, where several hosts)" if self.whole_host else ""
+        if self.peers_only:
+            host += " (from its peers only, where a host is cut)"
         if self.kind == "stop_short":
             return f"#{self.index} stop_short for {self.hold_s:.1f}s{host}"
         if self.kind == "stop":
@@ -160,6 +168,9 @@ PAUSED_KINDS = ("add", "stop_short", "etcd_member", "resume")
 BURST_SHARE = 0.35
 #: The share of stops that cut off the peer's host with every peer on it (several hosts only).
 WHOLE_HOST_SHARE = 0.5
+#: The share of long stops whose host cut spares etcd (a data network cut), and how long.
+PEER_CUT_SHARE = 0.5
+PEER_CUT_HOLD_S = (4.5, 16.0)
 
 
 def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, max_np: int = 3,
@@ -180,6 +191,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     bursts = random.Random(f"{seed}/burst")
     # Which stops take a peer's whole host away: drawn apart too (see SEvent.whole_host).
     cuts = random.Random(f"{seed}/host")
+    # Which long stops cut a host from its peers only (SEvent.peers_only): drawn apart too.
+    peer_cuts = random.Random(f"{seed}/peercut")
     pattern = make_pattern(rng)
     if pattern.ddp:  # drawn apart, as the bursts
         pattern = replace(pattern, ddp_subgroup=random.Random(f"{seed}/subgroup").random() < 0.5)
@@ -204,6 +217,9 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
             gap = round(bursts.uniform(0.0, 0.3), 2)
         if kind in ("stop", "stop_short"):
             kw["whole_host"] = cuts.random() < WHOLE_HOST_SHARE
+        if kind == "stop" and peer_cuts.random() < PEER_CUT_SHARE:
+            kw["peers_only"] = True
+            hold = peer_cuts.uniform(*PEER_CUT_HOLD_S)
         out.append(SEvent(len(out), kind, pick, round(hold, 2), hard, gap, burst, **kw))
 
     def can_lose_one() -> bool:
@@ -416,8 +432,9 @@ class ScheduleRunner(ChaosRunner):
         a.target = f"{p.name}/pid {p.pid}"
         a.role = "roster" if p in self.roster() else "standby"
         g0, regs = self.max_gen, len(p.members)
-        with self.held(p, getattr(ev, "whole_host", False)) as (how, _taken):
+        with self.held(p, getattr(ev, "whole_host", False)) as held:
             time.sleep(ev.hold_s)  # the event itself: how long it stays away
+        how = held.how
         self.wait_progress(ev.describe())
         a.detail = (f"{how}, back after {ev.hold_s:.1f}s (join timeout {JOIN_TIMEOUT_S}s); "
                     f"generation {g0} -> {self.max_gen}, re-registered {len(p.members) > regs}")
