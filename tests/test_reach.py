@@ -45,6 +45,20 @@ def test_two_members_that_cannot_reach_each_other_keep_the_older() -> None:
     assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:2]) == {"b"}
 
 
+def test_a_healing_cut_keeps_out_the_member_that_was_out_not_the_one_that_trained() -> None:
+    # a (the oldest) was cut off from b and c; b, c trained on without it (roster b, c).
+    # The cut heals and the reports go one by one: c withdrew, a no longer names c. The last
+    # edge, a <-> b, must keep a out (it is out already), not take b out of a training roster.
+    assert cut_off({"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}, AGE[:3], ["b", "c"]) == {"a"}
+    assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:3], ["b", "c"]) == {"a"}
+    assert cut_off({"a": {"b"}}, AGE[:3], ["b", "c"]) == {"a"}
+    # Both in the roster (or both out): the older stays, as before.
+    assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:3], ["a", "b", "c"]) == {"b"}
+    assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:3], ["c"]) == {"b"}
+    # The most edges still decide first: out of the roster or not.
+    assert cut_off({"b": {"a", "c"}, "a": {"b"}, "c": {"b"}}, AGE[:3], ["b", "c"]) == {"b"}
+
+
 def test_dead_members_and_unknown_names_are_ignored() -> None:
     # "z" is no live member (its key is gone); a report by a dead member counts for nothing.
     assert cut_off({"a": {"z"}, "z": {"a", "b"}}, AGE[:3]) == frozenset()
@@ -68,6 +82,12 @@ def test_what_stays_can_reach_itself_and_the_rule_is_deterministic(seed: int) ->
     # Whatever order the reports come in, the same members go (every member agrees).
     shuffled = dict(sorted(reports.items(), key=lambda _: rng.random()))
     assert cut_off(shuffled, live) == gone
+    # With any roster, too: what stays is still mutually reachable, and deterministic.
+    roster = [m for m in live if rng.random() < 0.6]
+    gone = cut_off(reports, live, roster)
+    stays = [m for m in live if m not in gone]
+    assert stays and all(not (reports[m] & set(stays)) for m in stays), (reports, roster, gone)
+    assert cut_off(shuffled, live, list(reversed(roster))) == gone
 
 
 # -- the record ------------------------------------------------------------------------------------

@@ -11,9 +11,14 @@ probes every one before each rendezvous, :mod:`peer_elastic.torch.group`) says s
 in a :class:`~peer_elastic.records.ReachRecord` under its own lease, and every member
 computes the same *cut-off* set from the reports (:func:`cut_off`). The reports are edges
 of a graph, "a cannot reach b" joining a and b; while an edge remains, the member on the
-most edges goes, the youngest of a tie. A member alone on the far side of a partition goes
-(every other member reports it, and it reports every other); of two equal halves, the one
-holding the oldest member stays. Cut-off members are not eligible
+most edges goes; of a tie, one that is already out of the current roster, then the
+youngest. A member alone on the far side of a partition goes (every other member reports
+it, and it reports every other); of two equal halves, the one holding the oldest member
+stays. Preferring who is already out keeps a healing cut from flapping: the reports go one
+by one as their re-probes answer, and the last edge left (two members that each still
+report the other) then takes out the member that was cut off, not the one that trained
+through the cut, which the older-stays rule alone did (seen in a seeded schedule on three
+hosts: one extra generation each way while the cut healed). Cut-off members are not eligible
 (:meth:`~peer_elastic.etcd.view.ViewSnapshot.eligible`), so the leader writes a generation
 without them, and they wait as registered standbys.
 
@@ -41,18 +46,24 @@ log = logging.getLogger(__name__)
 REPROBE_S = 1.0
 
 
-def cut_off(reports: Mapping[str, Collection[str]], by_age: Sequence[str]) -> frozenset[str]:
+def cut_off(reports: Mapping[str, Collection[str]], by_age: Sequence[str],
+            roster: Collection[str] = ()) -> frozenset[str]:
     """The members to leave out of rosters, given ``reports`` (reporter -> the members it
-    cannot reach) and the live members ``by_age`` (oldest first). Edges between members
-    that are not both live are ignored (a dead member's key goes; its report goes with its
-    lease). Deterministic: every member computes the same set from the same snapshot."""
+    cannot reach), the live members ``by_age`` (oldest first) and the current ``roster``.
+    Edges between members that are not both live are ignored (a dead member's key goes;
+    its report goes with its lease). Of the members on the most edges, one already out of
+    the roster goes first, then the youngest: a cut heals report by report (each reporter
+    withdraws when its own re-probe answers), and the last edge left must not take out the
+    side that trained through the cut. Deterministic: every member computes the same set
+    from the same snapshot."""
     age = {m: i for i, m in enumerate(by_age)}
+    training = frozenset(roster)
     edges = {frozenset((a, b)) for a, seen in reports.items() if a in age
              for b in seen if b in age and b != a}
     gone: set[str] = set()
     while edges:
         degree = Counter(m for e in edges for m in e)
-        victim = max(degree, key=lambda m: (degree[m], age[m]))
+        victim = max(degree, key=lambda m: (degree[m], m not in training, age[m]))
         gone.add(victim)
         edges = {e for e in edges if victim not in e}
     return frozenset(gone)

@@ -147,7 +147,8 @@ class ViewSnapshot:
         of the reports). Computed once per snapshot."""
         cached = self.__dict__.get("_cut_off")
         if cached is None:
-            cached = cut_off(self.unreachable, [m.id for m in self.by_age]) \
+            roster = self.generation.roster if self.generation is not None else ()
+            cached = cut_off(self.unreachable, [m.id for m in self.by_age], roster) \
                 if self.unreachable else frozenset()
             object.__setattr__(self, "_cut_off", cached)
         return cached
