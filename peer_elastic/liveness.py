@@ -29,7 +29,8 @@ So the training thread is watched too:
   with :data:`EXIT_HUNG`, so that systemd or a scheduler restarts it as a new member.
 
 The detector also knows how long the thread has waited on its peers without a break
-(:meth:`HangDetector.waiting_on_peers_s`, with hang detection on or off); the monitor tells
+(:meth:`HangDetector.waiting_on_peers_s`; with hang detection off, only in peer-elastic's
+own collectives, since the stack is then never sampled); the monitor tells
 the peer's group manager, which probes the group's members when a wait grows long (a peer
 cut off from the others but not from etcd keeps its lease: see
 ``GroupManager.waited_on_peers``).
@@ -260,7 +261,8 @@ class HangDetector:
 
     def waiting_on_peers_s(self) -> float:
         """How long the training thread has been waiting on other peers without a break,
-        as of the last poll (0 when it is not). Known whether or not hang detection is on."""
+        as of the last poll (0 when it is not). With hang detection off the stack is not
+        sampled, so only peer-elastic's own (marked) collectives count then."""
         since = self._waiting_since
         return 0.0 if since is None else max(0.0, self._clock() - since)
 
@@ -282,14 +284,17 @@ class HangDetector:
             timeout = float(self._timeout_s())
         except Exception:  # settings unreadable (closing): look again later
             timeout = 0.0
+        on = timeout > 0 and math.isfinite(timeout)
         rec = self._liveness.read()
         training = rec.activity is Activity.TRAINING and rec.thread_id is not None
-        waiting = training and (rec.in_collective or self._waits_on_peers(rec.thread_id))
+        # Off, the stack is never sampled: only peer-elastic's own collectives count.
+        waiting = training and (rec.in_collective
+                                or (on and self._waits_on_peers(rec.thread_id)))
         if not waiting:
             self._waiting_since = None
         elif self._waiting_since is None:
             self._waiting_since = now
-        if not timeout > 0 or not math.isfinite(timeout):
+        if not on:
             return Verdict(False, 0.0, 0.0, now + 1.0)  # off; the setting is read each time
         period = sample_period(timeout)
         if not training:

@@ -151,9 +151,12 @@ def test_how_long_the_thread_has_waited_on_peers_without_a_break(rig: Rig,
     with rig.live.training():
         assert not rig.run_for(2.0)
         assert rig.det.waiting_on_peers_s() == 0.0  # in its own code
-        rig.waiting = True
+        rig.waiting = True  # seen on the stack: only sampled with hang detection on
         assert not rig.run_for(30.0)
-        assert 29.0 <= rig.det.waiting_on_peers_s() <= 30.0  # from the poll that saw it
+        if timeout:
+            assert 29.0 <= rig.det.waiting_on_peers_s() <= 30.0  # from the poll that saw it
+        else:
+            assert rig.det.waiting_on_peers_s() == 0.0
         rig.waiting = False
         assert not rig.run_for(1.0)
         assert rig.det.waiting_on_peers_s() == 0.0  # the wait ended: the next one starts at 0
