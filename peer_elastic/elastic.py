@@ -346,9 +346,11 @@ class Peer:
                 # After the new group exists, before state is synced, on EVERY rank (joiners
                 # and the first generation included): callbacks may run collectives, such
                 # as rebuilding DDP, and all ranks must enter them together.
-                with self.groups.adopting_connections():  # subgroups the callbacks make
-                    state.on_reset()
-                self._agree_and_sync(state)
+                # Waits on the others (marked: a peer cut off meanwhile is probed for).
+                with self._liveness.collective():
+                    with self.groups.adopting_connections():  # subgroups the callbacks make
+                        state.on_reset()
+                    self._agree_and_sync(state)
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}
                 break

@@ -287,9 +287,10 @@ class HangDetector:
         on = timeout > 0 and math.isfinite(timeout)
         rec = self._liveness.read()
         training = rec.activity is Activity.TRAINING and rec.thread_id is not None
-        # Off, the stack is never sampled: only peer-elastic's own collectives count.
-        waiting = training and (rec.in_collective
-                                or (on and self._waits_on_peers(rec.thread_id)))
+        # Off, the stack is never sampled: only peer-elastic's own collectives count. They
+        # count outside the training function too (the state sync of a reset).
+        waiting = rec.in_collective or (training and on
+                                        and self._waits_on_peers(rec.thread_id))
         if not waiting:
             self._waiting_since = None
         elif self._waiting_since is None:

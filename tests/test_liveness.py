@@ -163,6 +163,11 @@ def test_how_long_the_thread_has_waited_on_peers_without_a_break(rig: Rig,
         with rig.live.collective():
             assert not rig.run_for(4.0)
             assert 3.0 <= rig.det.waiting_on_peers_s() <= 4.0
+    assert not rig.run_for(1.0)
+    assert rig.det.waiting_on_peers_s() == 0.0
+    with rig.live.collective():  # the state sync of a reset, outside the training function
+        assert not rig.run_for(4.0)
+        assert 3.0 <= rig.det.waiting_on_peers_s() <= 4.0
 
 
 def test_the_monitor_tells_how_long_the_thread_waits_on_peers() -> None:

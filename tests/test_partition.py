@@ -291,7 +291,9 @@ def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
                 wait_steps(p, HOLD_STEPS, g, timeout=60)
             took = time.monotonic() - cut_at
             print(f"world of 2 trained {took:.1f} s after the cut")
-            assert took < 40, f"{took:.1f} s: the stuck collective waited for its timeout"
+            assert took < 40, (f"{took:.1f} s: the stuck collective waited for its timeout\n"
+                               + "\n".join(f"--- {p.name}\n{p.output()[-4000:]}"
+                                           for p in peers))
             logs = "".join(p.output() for p in peers)
             assert "cut off from the others' process groups" in logs, logs[-3000:]
             seen = [len(p.lines) for p in peers]

@@ -53,14 +53,14 @@ class SpyStore(dist.Store):
         return self.inner.add(key, value)
 
 
-class Superseded:
-    """``Changes`` and ``superseded()`` for a guard, flipped by the test."""
+class Doom:
+    """``Changes`` and ``doomed()`` for a guard, flipped by the test."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.cond = threading.Condition()
 
-    def supersede(self, reason: str) -> None:
+    def doom(self, reason: str) -> None:
         with self.cond:
             self.reason = reason
             self.cond.notify_all()
@@ -156,10 +156,10 @@ def test_release_sends_each_other_ranks_sequence_number_to_the_own_listener() ->
 def test_a_released_listener_is_freed_long_before_gloos_connect_timeout() -> None:
     """Rank 0 forms a real gloo group of 2 whose rank 1 published its record and died: with
     the peer's port above its own (gloo makes the lower address the initiator), rank 0
-    waits as the listener, for five times the 3 s timeout. Once superseded, the guard frees
-    it in well under that."""
-    superseded = Superseded()
-    guard = FormingGuard(0, 2, superseded, superseded, lambda host, port: False, grace_s=0.5)
+    waits as the listener, for five times the 3 s timeout. Once the group is doomed, the
+    guard frees it in well under that."""
+    doom = Doom()
+    guard = FormingGuard(0, 2, doom, doom, lambda host, port: False, grace_s=0.5)
     inner = dist.PrefixStore("strand", dist.HashStore())
     # A member that died at once, at a port above any ephemeral one (ours).
     inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
@@ -180,21 +180,50 @@ def test_a_released_listener_is_freed_long_before_gloos_connect_timeout() -> Non
         deadline = time.monotonic() + 30
         while not inner.check(["0/0"]) and time.monotonic() < deadline:
             time.sleep(0.01)  # rank 0's record: gloo is connecting now
-        superseded.supersede("test: generation 2 superseded")
+        doom.doom("test: a member of generation 2 lost its lease")
         t.join(30)
         took = time.monotonic() - t0
     assert not t.is_alive() and outcome, "still waiting in gloo"
     print(f"freed {took:.2f} s after the start: {outcome[0][:200]}")
-    assert guard.fired == "test: generation 2 superseded"
+    assert guard.fired == "test: a member of generation 2 lost its lease"
+    assert took < 7.5, f"{took:.1f} s: gloo's own wait is 15 s"
+
+
+def test_a_death_found_by_the_stuck_callback_frees_the_listener_at_once() -> None:
+    """As above, but nothing in the view dooms the group: the dead member had acknowledged
+    the generation. The stuck callback's probe finds it (a refused probe port)."""
+    never = Doom()
+    guard = FormingGuard(0, 2, never, never, lambda host, port: False, grace_s=0.3,
+                         on_stuck=lambda: "test: rank 1's probe port refused")
+    inner = dist.PrefixStore("stuck", dist.HashStore())
+    inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
+    store = SpyStore(inner, guard.saw_value)
+    outcome: list[str] = []
+
+    def form() -> None:
+        try:
+            dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=3))
+            outcome.append("formed")
+        except RuntimeError as exc:
+            outcome.append(f"failed: {exc}")
+
+    with guard:
+        t0 = time.monotonic()
+        t = threading.Thread(target=form, daemon=True)
+        t.start()
+        t.join(30)
+        took = time.monotonic() - t0
+    assert not t.is_alive() and outcome, "still waiting in gloo"
+    assert guard.fired == "test: rank 1's probe port refused"
     assert took < 7.5, f"{took:.1f} s: gloo's own wait is 15 s"
 
 
 def test_a_formation_stuck_past_the_grace_asks_for_deaths_and_releases_nothing() -> None:
-    never = Superseded()
+    never = Doom()
     called: list[float] = []
     asked = threading.Event()
 
-    def on_stuck() -> None:
+    def on_stuck() -> None:  # finds nobody dead
         called.append(time.monotonic())
         asked.set()
 
@@ -208,13 +237,13 @@ def test_a_formation_stuck_past_the_grace_asks_for_deaths_and_releases_nothing()
 
 
 def test_a_guard_past_its_grace_waits_on_changes_instead_of_spinning() -> None:
-    never = Superseded()
+    never = Doom()
     calls: list[float] = []
 
-    def superseded() -> str | None:
+    def doomed() -> str | None:
         calls.append(time.monotonic())
         return None
 
-    with FormingGuard(0, 2, superseded, never, lambda host, port: False, grace_s=0.05):
+    with FormingGuard(0, 2, doomed, never, lambda host, port: False, grace_s=0.05):
         threading.Event().wait(1.5)  # measuring a rate over a span, not waiting for an effect
     assert len(calls) <= 5, f"{len(calls)} checks in 1.5 s: the guard spins"

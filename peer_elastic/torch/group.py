@@ -10,9 +10,10 @@ manager moves on to the newer one; after it, every member forms the group (a sup
 one is left at the next check), and gives up only when it can never complete: a member's
 lease is gone, the job is done, or this peer's registration changed. Giving up after
 publishing an address would leave the peers that read it connecting to a rank that left.
-A member that dies there anyway leaves its peers waiting inside gloo; once the generation
-is doomed, each rank's :class:`~peer_elastic.torch.stranded_connect.FormingGuard` ends
-those waits, and a group formed after that is discarded.
+A member that dies there anyway leaves its peers waiting inside gloo; once the group can
+never complete (the member's lease is gone, or its probe port refuses), each rank's
+:class:`~peer_elastic.torch.stranded_connect.FormingGuard` ends those waits, and a group
+formed after that is discarded.
 
 It also remembers the connections each group opened, so that a collective stuck on a peer
 whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
@@ -60,9 +61,6 @@ log = logging.getLogger(__name__)
 
 #: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
 _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-#: A group being formed will never be used: a member still forming it a join timeout later
-#: is waiting for someone gone, and ends its waits (peer_elastic.torch.stranded_connect).
-GROUP_DOOMED = ABANDON_RENDEZVOUS | CANNOT_COMPLETE
 #: A collective that has waited this long (or two join timeouts, if longer) makes the rank
 #: probe its group's members, then again every _STALL_PROBE_EVERY_S while it waits.
 _STALL_PROBE_AFTER_S = 2.0
@@ -230,7 +228,7 @@ class GroupManager:
                 continue
             # gloo: a member gone mid-connect must not strand this rank in gloo's wait for it.
             guard = FormingGuard(
-                a.rank, a.size, lambda p=pending: self._abort_reason(p, GROUP_DOOMED),
+                a.rank, a.size, lambda p=pending: self._abort_reason(p, CANNOT_COMPLETE),
                 coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
                 on_stuck=lambda a=a: self._report_deaths_while_forming(a),
             ) if self.backend == "gloo" else None
@@ -266,7 +264,7 @@ class GroupManager:
                 self._connections = connections
             if guard is not None and guard.fired is not None:
                 # Formed only because the guard handed gloo closed sockets: broken.
-                log.info("generation %d formed after it was superseded (%s): discarded",
+                log.info("generation %d formed after its guard acted (%s): discarded",
                          a.generation, guard.fired)
                 self.destroy()
                 coord.check()
@@ -318,8 +316,8 @@ class GroupManager:
         and connections take milliseconds among live peers. A member killed in the middle
         leaves the others waiting inside gloo, out of reach, for five times the group timeout
         (measured on torch 2.13: 150 s at the default 30 s). The formation guard
-        (:mod:`peer_elastic.torch.stranded_connect`) frees them once the generation is
-        doomed; as a backstop for when it cannot, the group is formed with this shorter
+        (:mod:`peer_elastic.torch.stranded_connect`) frees them once the group can never
+        complete; as a backstop for when it cannot, the group is formed with this shorter
         timeout and given the collective timeout once formed: at least 5 s and
         four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
         lost), plus 20 ms per rank (each rank reads every other rank's address from etcd,
@@ -419,18 +417,29 @@ class GroupManager:
 
     def _probe_waited_group(self, group: FormedGroup, waited_s: float) -> None:
         try:
-            problems = self._unreachable(group.assignment)
+            if group is self.current:
+                self._report_unreachable(group.assignment, f"a collective has waited "
+                                                           f"{waited_s:.0f} s")
+        except Exception:  # a thread of its own: nothing else would see it fail
+            log.exception("probing generation %d's members failed", group.generation)
+
+    def _report_unreachable(self, a: Assignment, context: str) -> bool:
+        """Probe ``a``'s roster; report the members that do not answer (ERROR lines, an
+        event, and the record the leader reads: :mod:`peer_elastic.etcd.reach`). True if
+        any did not."""
+        try:
+            problems = self._unreachable(a)
         except PeerElasticError as exc:  # this peer's own address, etcd: the rendezvous says
-            log.debug("probing generation %d's members: %s", group.generation, exc)
-            return
-        if not problems or group is not self.current:
-            return
+            log.debug("probing generation %d's members: %s", a.generation, exc)
+            return False
+        if not problems:
+            return False
         for line in problems.values():
-            log.error("generation %d: a collective has waited %.0f s: %s", group.generation,
-                      waited_s, line)
+            log.error("generation %d: %s: %s", a.generation, context, line)
+        self._reach.report(a.generation, problems)  # first: it is what frees the others
         self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
-                                      generation=group.generation)
-        self._reach.report(group.generation, problems)
+                                      generation=a.generation)
+        return True
 
     def _unreachable(self, a: Assignment) -> dict[str, str]:
         """Member id -> a line saying why, for each roster member whose advertised group
@@ -521,27 +530,33 @@ class GroupManager:
         self._mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
         return False
 
-    def _report_deaths_while_forming(self, a: Assignment) -> None:
+    def _report_deaths_while_forming(self, a: Assignment) -> str | None:
         """This rank has been forming ``a``'s group for longer than a join timeout: a roster
         member whose probe port refuses connections died there, after it acknowledged the
-        generation (so the leader's ack wait misses it). Marking the generation broken
-        makes the leader write the next one, which frees every rank's formation guard.
-        Probes as the death prober does (:mod:`peer_elastic.etcd.deaths`): only a refusal
-        is proof, and loopback addresses only in a job on loopback."""
+        generation (so the leader's ack wait misses it). Then the generation is marked
+        broken, so that the leader writes the next one, and the reason is returned: the
+        group can never complete. Probes as the death prober does
+        (:mod:`peer_elastic.etcd.deaths`): only a refusal is proof, and loopback addresses
+        only in a job on loopback."""
         coord = self.coordinator
         snap = coord.snapshot()
         targets = probeable(snap, coord.member_id,
                             [m for i in a.roster if (m := snap.members.get(i)) is not None])
         if not targets:
-            return
+            return None
         with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
             answers = list(pool.map(lambda t: refused(t.address, t.port), targets))
         dead = [t for t, why in zip(targets, answers, strict=True) if why is not None]
-        if dead:
-            names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in dead)
-            log.warning("generation %d: %s died while the group formed (probe refused)",
-                        a.generation, names)
-            self._mark_broken(a.generation, f"{names} died while the group formed")
+        if not dead:
+            # Or cut off from this peer by the network: reported, the cut-off rule dooms the
+            # group (CUT_OFF) and the guard acts on that.
+            self._report_unreachable(a, "the group has been forming for long")
+            return None
+        names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in dead)
+        log.warning("generation %d: %s died while the group formed (probe refused)",
+                    a.generation, names)
+        self._mark_broken(a.generation, f"{names} died while the group formed")
+        return f"{names} died while the group formed (probe refused)"
 
     def _commit(self, a: Assignment, pending: GroupId) -> bool:
         """Pass the commit point of ``a``'s rendezvous; False when this peer withdrew

@@ -8,11 +8,11 @@ every rank that listens for it waiting that long: 25 s at the 5 s group timeout
 :meth:`~peer_elastic.torch.group.GroupManager.init_timeout_s` gives three ranks, however fast
 the others learn of the death.
 
-Once the generation being formed is doomed (the leader wrote a newer one: the member's
-lease or process is gone, or a peer marked the rendezvous broken) the group will never be
-used. A rank still inside the init ``grace_s`` after it began (among live peers forming
-takes milliseconds) is then waiting for someone who is not coming, and
-:class:`FormingGuard` ends those waits by hand:
+Once the group being formed can never complete (a roster member's lease is gone, it is cut
+off from the others, or its probe port refuses connections: its process is gone) a rank
+still inside the init ``grace_s`` after it began (among live peers forming takes
+milliseconds) is waiting for someone who is not coming, and :class:`FormingGuard` ends
+those waits by hand:
 
 * the connections this group opened so far are shut down (an initiator waiting on a host
   that no longer answers fails at once);
@@ -23,11 +23,12 @@ takes milliseconds) is then waiting for someone who is not coming, and
   forms broken and the caller discards it. Pairs already connected, or not reached yet,
   only get a spare socket that gloo stashes and drops with the group.
 
-The grace keeps the design's "every member forms the group, or none does" (design.md) for
-the common case, a generation superseded while its live members form it: they all finish
-within the grace and nobody acts, so the group forms everywhere and is left at the next
-check. Every member's guard sees the same facts, so members stranded together leave
-together.
+A generation merely superseded while its live members form it (a join, a drain, a resize)
+is not a reason: every member is alive and connects, the group forms everywhere and is left
+at the next check, as design.md's "every member forms the group, or none does" wants. Acting
+on supersession instead tore such groups apart on a loaded machine, where an init can last
+longer than the grace. Every member's guard sees the same facts (the view, the probe), so
+members stranded together leave together.
 
 The sequence numbers and the listener's address come from this rank's own record, which
 gloo writes to the store before it connects (:func:`parse_gloo_rank` reads it; values that
@@ -119,22 +120,24 @@ def release_listening_pairs(record: GlooRankRecord, rank: int, timeout_s: float 
 
 
 class FormingGuard:
-    """While ``init_process_group`` forms a gloo group: once ``superseded()`` gives a reason
-    and the init has lasted ``grace_s``, ends the waits that a member gone mid-rendezvous
-    would leave (module docstring). While the init lasts past ``grace_s`` and nothing says
-    the generation is doomed, ``on_stuck()`` is called every few seconds: the caller looks
-    for a member that died there, which nobody else may have noticed.
+    """While ``init_process_group`` forms a gloo group: once ``doomed()`` gives a reason and
+    the init has lasted ``grace_s``, ends the waits that a member gone mid-rendezvous would
+    leave (module docstring). While the init lasts past ``grace_s`` and nothing dooms it,
+    ``on_stuck()`` is called every few seconds: the caller looks for a member that died
+    there, which nobody else may have noticed, and returns why the group is doomed if it
+    found one (then the guard acts at once), else None.
 
     Use as a context manager around the init, after ``__init__``; pass :meth:`saw_value` to
     the group's store so the guard sees this rank's record. ``fired`` holds the reason once
     it acted: the group, if it formed at all, is broken and must be discarded.
     """
 
-    def __init__(self, rank: int, size: int, superseded: Callable[[], str | None],
+    def __init__(self, rank: int, size: int, doomed: Callable[[], str | None],
                  changes: Changes, exclude: Callable[[str, int], bool],
-                 grace_s: float = 1.0, on_stuck: Callable[[], None] | None = None) -> None:
+                 grace_s: float = 1.0,
+                 on_stuck: Callable[[], str | None] | None = None) -> None:
         self._rank, self._size = rank, size
-        self._superseded, self._changes = superseded, changes
+        self._doomed, self._changes = doomed, changes
         self._exclude = exclude
         self._grace_s, self._on_stuck = grace_s, on_stuck
         self._record: GlooRankRecord | None = None
@@ -167,20 +170,20 @@ class FormingGuard:
         next_stuck_call = started + self._grace_s
         version = -1
         while not self._stop.is_set():
-            reason = self._superseded()
-            if reason is None:
+            reason = self._doomed()
+            if reason is None and self._on_stuck is not None \
+                    and time.monotonic() >= next_stuck_call:
                 # Past the grace and not doomed: nobody may know yet that a member died
                 # here (it had acknowledged the generation, so no ack is missing).
-                now = time.monotonic()
+                next_stuck_call = time.monotonic() + _REPEAT_S
+                try:
+                    reason = self._on_stuck()
+                except Exception:  # a bug there must not end the guarding
+                    log.exception("looking for members gone mid-rendezvous failed")
+            if reason is None:
                 wait_s = _CHECK_S
                 if self._on_stuck is not None:
-                    if now >= next_stuck_call:
-                        next_stuck_call = now + _REPEAT_S
-                        try:
-                            self._on_stuck()
-                        except Exception:  # a bug there must not end the guarding
-                            log.exception("looking for members gone mid-rendezvous failed")
-                    wait_s = min(wait_s, next_stuck_call - now)
+                    wait_s = min(wait_s, next_stuck_call - time.monotonic())
                 version = self._changes.wait_change(version, max(0.0, wait_s), self._stop.is_set)
                 continue
             left = started + self._grace_s - time.monotonic()
