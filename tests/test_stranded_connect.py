@@ -153,38 +153,51 @@ def test_release_sends_each_other_ranks_sequence_number_to_the_own_listener() ->
     assert made == [2]
 
 
+class ListenerOfADeadRank:
+    """Rank 0 forming a real gloo group of 2 on a thread, whose rank 1 published its record
+    and died. With the peer's port above its own (gloo makes the lower address the
+    initiator), rank 0 waits as the listener, for five times the 3 s timeout."""
+
+    def __init__(self, prefix: str, guard: FormingGuard) -> None:
+        self.inner = dist.PrefixStore(prefix, dist.HashStore())
+        # A member that died at once, at a port above any ephemeral one (ours).
+        self.inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
+        self.store = SpyStore(self.inner, guard.saw_value)
+        self.outcome: list[str] = []
+        self.thread = threading.Thread(target=self._form, daemon=True)
+
+    def _form(self) -> None:
+        try:
+            dist.ProcessGroupGloo(self.store, 0, 2, timedelta(seconds=3))
+            self.outcome.append("formed")
+        except RuntimeError as exc:
+            self.outcome.append(f"failed: {exc}")
+
+    def start(self) -> float:
+        self.thread.start()
+        return time.monotonic()
+
+    def ended_after(self, started: float) -> float:
+        """Seconds from ``started`` until the formation ended (bounded); asserts it did."""
+        self.thread.join(30)
+        assert not self.thread.is_alive() and self.outcome, "still waiting in gloo"
+        return time.monotonic() - started
+
+
 def test_a_released_listener_is_freed_long_before_gloos_connect_timeout() -> None:
-    """Rank 0 forms a real gloo group of 2 whose rank 1 published its record and died: with
-    the peer's port above its own (gloo makes the lower address the initiator), rank 0
-    waits as the listener, for five times the 3 s timeout. Once the group is doomed, the
-    guard frees it in well under that."""
+    """A :class:`ListenerOfADeadRank`: once the group is doomed, the guard frees it in well
+    under gloo's 15 s."""
     doom = Doom()
     guard = FormingGuard(0, 2, doom, doom, lambda host, port: False, grace_s=0.5)
-    inner = dist.PrefixStore("strand", dist.HashStore())
-    # A member that died at once, at a port above any ephemeral one (ours).
-    inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
-    store = SpyStore(inner, guard.saw_value)
-    outcome: list[str] = []
-
-    def form() -> None:
-        try:
-            dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=3))
-            outcome.append("formed")
-        except RuntimeError as exc:
-            outcome.append(f"failed: {exc}")
-
+    rank0 = ListenerOfADeadRank("strand", guard)
     with guard:
-        t = threading.Thread(target=form, daemon=True)
-        t0 = time.monotonic()
-        t.start()
+        t0 = rank0.start()
         deadline = time.monotonic() + 30
-        while not inner.check(["0/0"]) and time.monotonic() < deadline:
+        while not rank0.inner.check(["0/0"]) and time.monotonic() < deadline:
             time.sleep(0.01)  # rank 0's record: gloo is connecting now
         doom.doom("test: a member of generation 2 lost its lease")
-        t.join(30)
-        took = time.monotonic() - t0
-    assert not t.is_alive() and outcome, "still waiting in gloo"
-    print(f"freed {took:.2f} s after the start: {outcome[0][:200]}")
+        took = rank0.ended_after(t0)
+    print(f"freed {took:.2f} s after the start: {rank0.outcome[0][:200]}")
     assert guard.fired == "test: a member of generation 2 lost its lease"
     assert took < 7.5, f"{took:.1f} s: gloo's own wait is 15 s"
 
@@ -195,25 +208,9 @@ def test_a_death_found_by_the_stuck_callback_frees_the_listener_at_once() -> Non
     never = Doom()
     guard = FormingGuard(0, 2, never, never, lambda host, port: False, grace_s=0.3,
                          on_stuck=lambda: "test: rank 1's probe port refused")
-    inner = dist.PrefixStore("stuck", dist.HashStore())
-    inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
-    store = SpyStore(inner, guard.saw_value)
-    outcome: list[str] = []
-
-    def form() -> None:
-        try:
-            dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=3))
-            outcome.append("formed")
-        except RuntimeError as exc:
-            outcome.append(f"failed: {exc}")
-
+    rank0 = ListenerOfADeadRank("stuck", guard)
     with guard:
-        t0 = time.monotonic()
-        t = threading.Thread(target=form, daemon=True)
-        t.start()
-        t.join(30)
-        took = time.monotonic() - t0
-    assert not t.is_alive() and outcome, "still waiting in gloo"
+        took = rank0.ended_after(rank0.start())
     assert guard.fired == "test: rank 1's probe port refused"
     assert took < 7.5, f"{took:.1f} s: gloo's own wait is 15 s"
 
