@@ -21,18 +21,54 @@ its connections were shut down when it was destroyed). Then it drops that refere
 helper thread, so the destructor runs with the GIL released and may wait for the worker
 threads without holding up the training thread.
 
+A destructor still running on a helper must end before the interpreter finalizes. When
+it ends later, its return into Python (``~gil_scoped_release`` taking the GIL back) meets
+a finalizing interpreter, which ends the thread with ``pthread_exit``; the forced unwind
+through that destructor calls ``std::terminate`` and the process dies with SIGABRT
+("terminate called without an active exception") after its work was done (CI: a peer
+that printed its result, then exited -6). So :meth:`RetiredGroups.release` waits for every
+helper still running, not only its own, and an ``atexit`` hook waits (bounded) for any
+helper left, since ``atexit`` runs before the interpreter starts finalizing.
+
 One job: hold and drop group references. It neither creates nor destroys a group.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
+import weakref
 from typing import Any
 
 __all__ = ["RetiredGroups"]
 
 log = logging.getLogger(__name__)
+
+#: How long the interpreter's exit waits for destructors still running on helpers: a
+#: destroyed gloo group's workers end their collectives within the collective timeout
+#: (its connections are shut down), so this bounds a normal exit, not a stuck one.
+EXIT_WAIT_S = 60.0
+
+_HELPER_NAME = "peer-elastic-retired-groups"
+_running: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # helpers of every instance
+
+
+def _wait_for(helpers: list[threading.Thread], wait_s: float) -> bool:
+    """Join ``helpers`` within ``wait_s`` in all; True when none is running then."""
+    deadline = time.monotonic() + wait_s
+    for helper in helpers:
+        helper.join(max(0.0, deadline - time.monotonic()))
+    return not any(h.is_alive() for h in helpers)
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    helpers = [h for h in list(_running) if h.is_alive()]
+    if helpers and not _wait_for(helpers, EXIT_WAIT_S):
+        log.error("destroyed process groups still finishing their collectives after %.0f s "
+                  "at exit; the process may abort (SIGABRT) when they end", EXIT_WAIT_S)
 
 
 class RetiredGroups:
@@ -40,6 +76,7 @@ class RetiredGroups:
 
     def __init__(self) -> None:
         self._kept: list[Any] = []
+        self._helpers: list[threading.Thread] = []  # dropping older groups; may still run
         self._lock = threading.Lock()
 
     def retire(self, *groups: Any) -> None:
@@ -53,34 +90,39 @@ class RetiredGroups:
         with self._lock:
             older, self._kept = self._kept, kept
         if older:
-            self._drop(older, wait_s=0.0)
+            self._drop(older)
 
     def release(self, wait_s: float) -> bool:
         """Drop every kept group now (the peer is done with groups); wait at most
-        ``wait_s`` for their destructors. False when they were still running then."""
+        ``wait_s`` for their destructors, and for those of groups dropped earlier that
+        are still running. False when some were still running then."""
         with self._lock:
             kept, self._kept = self._kept, []
-        return self._drop(kept, wait_s) if kept else True
+        if kept:
+            self._drop(kept)
+        with self._lock:
+            helpers, self._helpers = self._helpers, []
+        if _wait_for(helpers, wait_s):
+            return True
+        log.warning("destroyed process groups still finishing their collectives after "
+                    "%.1f s; not waiting for them", wait_s)
+        with self._lock:
+            self._helpers.extend(h for h in helpers if h.is_alive())
+        return False
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._kept)
 
-    @staticmethod
-    def _drop(groups: list[Any], wait_s: float) -> bool:
+    def _drop(self, groups: list[Any]) -> None:
         box = list(groups)
         groups.clear()  # the caller's list lets go: box holds the last references
 
         def drop() -> None:
             box.clear()  # the ProcessGroup destructors run here, the GIL released
 
-        helper = threading.Thread(target=drop, name="peer-elastic-retired-groups",
-                                  daemon=True)
+        helper = threading.Thread(target=drop, name=_HELPER_NAME, daemon=True)
+        _running.add(helper)
         helper.start()
-        if wait_s > 0:
-            helper.join(wait_s)
-            if helper.is_alive():
-                log.warning("destroyed process groups still finishing their collectives "
-                            "after %.0f s; not waiting for them", wait_s)
-                return False
-        return True
+        with self._lock:
+            self._helpers = [h for h in self._helpers if h.is_alive()] + [helper]
