@@ -230,7 +230,7 @@ class GroupManager:
             guard = FormingGuard(
                 a.rank, a.size, lambda p=pending: self._abort_reason(p, CANNOT_COMPLETE),
                 coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
-                on_stuck=lambda a=a: self._report_deaths_while_forming(a),
+                on_stuck=lambda a=a: self._why_forming_is_stuck(a),
             ) if self.backend == "gloo" else None
             store = self._store = self._new_store(
                 pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE,
@@ -424,22 +424,30 @@ class GroupManager:
             log.exception("probing generation %d's members failed", group.generation)
 
     def _report_unreachable(self, a: Assignment, context: str) -> bool:
-        """Probe ``a``'s roster; report the members that do not answer (ERROR lines, an
-        event, and the record the leader reads: :mod:`peer_elastic.etcd.reach`). True if
-        any did not."""
+        """Probe ``a``'s roster and :meth:`name <_name_unreachable>` the members that do not
+        answer. True if any did not."""
         try:
             problems = self._unreachable(a)
         except PeerElasticError as exc:  # this peer's own address, etcd: the rendezvous says
             log.debug("probing generation %d's members: %s", a.generation, exc)
             return False
+        self._name_unreachable(a, problems, context)
+        return bool(problems)
+
+    def _name_unreachable(self, a: Assignment, problems: dict[str, str],
+                          context: str = "") -> None:
+        """Name the members in ``problems`` (from :meth:`_unreachable`) at once: ERROR lines,
+        the record the leader reads (:mod:`peer_elastic.etcd.reach`: it leaves the smaller
+        side of a cut out, so a member that keeps its lease but not its network stalls
+        nobody for long), and an event."""
         if not problems:
-            return False
+            return
         for line in problems.values():
-            log.error("generation %d: %s: %s", a.generation, context, line)
+            log.error("generation %d: %s%s", a.generation, f"{context}: " if context else "",
+                      line)
         self._reach.report(a.generation, problems)  # first: it is what frees the others
         self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
                                       generation=a.generation)
-        return True
 
     def _unreachable(self, a: Assignment) -> dict[str, str]:
         """Member id -> a line saying why, for each roster member whose advertised group
@@ -506,16 +514,10 @@ class GroupManager:
         dead member's lease ran out: False), the member answers (True), or the collective
         timeout has passed (marks the generation broken and returns False).
         """
-        problems = self._unreachable(a)
+        problems = self._unreachable(a)  # this peer's own ConfigError goes to its caller
         if not problems:
             return True
-        for line in problems.values():
-            log.error("generation %d: %s", a.generation, line)
-        self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
-                                      generation=a.generation)
-        # In etcd too: the leader leaves out whichever side of a cut is smaller (reach.py),
-        # so a member that keeps its lease but not its network does not stall everyone.
-        self._reach.report(a.generation, problems)
+        self._name_unreachable(a, problems)
         deadline = time.monotonic() + self.collective_timeout_s
         while time.monotonic() < deadline:
             time.sleep(0.5)
@@ -530,14 +532,18 @@ class GroupManager:
         self._mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
         return False
 
-    def _report_deaths_while_forming(self, a: Assignment) -> str | None:
-        """This rank has been forming ``a``'s group for longer than a join timeout: a roster
-        member whose probe port refuses connections died there, after it acknowledged the
-        generation (so the leader's ack wait misses it). Then the generation is marked
-        broken, so that the leader writes the next one, and the reason is returned: the
-        group can never complete. Probes as the death prober does
-        (:mod:`peer_elastic.etcd.deaths`): only a refusal is proof, and loopback addresses
-        only in a job on loopback."""
+    def _why_forming_is_stuck(self, a: Assignment) -> str | None:
+        """This rank has been forming ``a``'s group for longer than a join timeout: why it
+        never will, or None while nothing says so.
+
+        A roster member whose probe port refuses connections died there, after it
+        acknowledged the generation (so the leader's ack wait misses it). Then the
+        generation is marked broken, so that the leader writes the next one, and the reason
+        is returned. Members that do not answer at all are reported unreachable; the
+        cut-off rule then dooms the group (``CUT_OFF``) and the guard acts on that.
+
+        Probes as the death prober does (:mod:`peer_elastic.etcd.deaths`): only a refusal
+        is proof, and loopback addresses only in a job on loopback."""
         coord = self.coordinator
         snap = coord.snapshot()
         targets = probeable(snap, coord.member_id,
@@ -547,9 +553,7 @@ class GroupManager:
         with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
             answers = list(pool.map(lambda t: refused(t.address, t.port), targets))
         dead = [t for t, why in zip(targets, answers, strict=True) if why is not None]
-        if not dead:
-            # Or cut off from this peer by the network: reported, the cut-off rule dooms the
-            # group (CUT_OFF) and the guard acts on that.
+        if not dead:  # or cut off from this peer by the network
             self._report_unreachable(a, "the group has been forming for long")
             return None
         names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in dead)
