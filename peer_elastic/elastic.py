@@ -348,8 +348,7 @@ class Peer:
                 # as rebuilding DDP, and all ranks must enter them together.
                 # Waits on the others (marked: a peer cut off meanwhile is probed for).
                 with self._liveness.collective():
-                    with self.groups.adopting_connections():  # subgroups the callbacks make
-                        state.on_reset()
+                    state.on_reset()
                     self._agree_and_sync(state)
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}

@@ -258,3 +258,17 @@ def test_a_ddp_subgroup_made_in_a_reset_callback_is_abandoned_with_its_group(
         stop_one_until_the_others_reform(cluster, victim=2)
     finally:
         cluster.close()
+
+
+@pytest.mark.slow
+def test_a_subgroup_made_in_the_training_function_is_abandoned_with_its_group(
+        etcd: str, unique_job: str) -> None:
+    # The same, but the training function makes the subgroup and the DDP wrapper each time
+    # it is entered, long after the group formed and outside any reset callback: the
+    # connections of every group made in the generation are known by the gloo listeners
+    # its store carried (gloo_records.GlooListeners), and are cut with the group.
+    cluster = Cluster(etcd, unique_job, **SETTINGS, WORKER_DDP=1, WORKER_DDP_SUBGROUP="train")
+    try:
+        stop_one_until_the_others_reform(cluster, victim=1)
+    finally:
+        cluster.close()

@@ -81,13 +81,27 @@ def test_set_get_raw_bytes_and_overwrite(store: EtcdStore, client: EtcdClient,
     assert store.get("a/b") == b"text"
 
 
-def test_on_set_sees_each_write_after_etcd_holds_it(client: EtcdClient, prefix: str) -> None:
+def test_on_value_sees_each_write_after_etcd_holds_it_and_each_read(
+        client: EtcdClient, prefix: str) -> None:
     seen: list[tuple[str, bytes, bytes | None]] = []
-    with EtcdStore(client, prefix, on_set=lambda k, v: seen.append(
+    with EtcdStore(client, prefix, on_value=lambda k, v: seen.append(
             (k, v, client.get(prefix + k).value))) as store:
         store.set("0/1", b"\x00rank record")
         store.set("x", "text")
-    assert seen == [("0/1", b"\x00rank record", b"\x00rank record"), ("x", b"text", b"text")]
+        assert seen == [("0/1", b"\x00rank record", b"\x00rank record"),
+                        ("x", b"text", b"text")]
+        seen.clear()
+        store.multi_set(["m1", "m2"], [b"1", "2"])
+        assert store.get("0/1") == b"\x00rank record"
+        assert store.multi_get(["m2", "x"]) == [b"2", b"text"]
+        clone = store.clone()  # torch clones the store for some subgroups: the hook goes along
+        try:
+            assert clone.get("m1") == b"1"
+        finally:
+            clone.close()
+    assert [(k, v) for k, v, _ in seen] == [
+        ("m1", b"1"), ("m2", b"2"), ("0/1", b"\x00rank record"), ("m2", b"2"), ("x", b"text"),
+        ("m1", b"1")]
 
 
 def test_get_blocks_until_set_then_times_out(store: EtcdStore) -> None:

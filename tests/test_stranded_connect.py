@@ -19,16 +19,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from peer_elastic.torch.stranded_connect import (
-    FormingGuard,
-    GlooRankRecord,
-    parse_gloo_rank,
-    release_listening_pairs,
-)
+from peer_elastic.torch.gloo_records import GlooRankRecord, parse_gloo_rank
+from peer_elastic.torch.stranded_connect import FormingGuard, release_listening_pairs
 
 
 class SpyStore(dist.Store):
-    """A torch store that tells ``on_set`` of every write (as ``EtcdStore(on_set=...)``)."""
+    """A torch store that tells ``on_set`` of every write (as ``EtcdStore(on_value=...)``
+    does, and of every read)."""
 
     def __init__(self, inner: dist.Store, on_set: Callable[[str, bytes], None]) -> None:
         super().__init__()

@@ -21,10 +21,11 @@ reachability reports of :mod:`peer_elastic.etcd.reach`, which a long wait in a c
 triggers), or this peer itself lost its lease. It first
 gives the training thread ``grace_s`` to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
-group that is still current after the grace is cut. Subgroups that reset callbacks create
-(``dist.new_group``, a device mesh, DDP over a subgroup) are cut with their group: the group
-manager adds the connections they open to a roster member to the group's. A subgroup made
-later, in the training function, is not covered: its collectives wait for its own timeout.
+group that is still current after the grace is cut. Subgroups made at any time in the
+generation (``dist.new_group`` in a reset callback or in the training function, a device
+mesh, DDP over a subgroup) are cut with their group: every gloo group publishes its
+listeners' addresses through the generation's store, and :meth:`GroupConnections.touching`
+finds the connections to and from those listeners.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
+
+from peer_elastic.netaddr import plain_ip
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,32 @@ class GroupConnections:
             with sock:
                 peer = _peer_of(sock)
             if peer is not None and not exclude(*peer):
+                kept.append(inode)
+        return cls(kept)
+
+    @classmethod
+    def touching(cls, endpoints: Collection[tuple[str, int]]) -> GroupConnections:
+        """The connections open now whose local or remote end is one of ``endpoints``
+        (plain ip, port): gloo's listeners (:class:`~peer_elastic.torch.gloo_records.
+        GlooListeners`). A connection accepted by a listener has the listener's address
+        as its local end; one made to it, as its remote end. Listeners are not included."""
+        if not endpoints:
+            return cls()
+        kept = []
+        for inode, fd in socket_inodes().items():
+            sock = _open_socket(fd, inode)
+            if sock is None:
+                continue
+            with sock:
+                peer = _peer_of(sock)
+                if peer is None:
+                    continue
+                try:
+                    local = sock.getsockname()
+                except OSError:
+                    continue
+            if ((plain_ip(peer[0]), peer[1]) in endpoints
+                    or (plain_ip(local[0]), local[1]) in endpoints):
                 kept.append(inode)
         return cls(kept)
 

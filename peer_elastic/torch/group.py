@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,10 +48,11 @@ from peer_elastic.etcd.stop import (
     stop_reason,
 )
 from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.netaddr import FIX, host_port, is_loopback, plain_ip, probe
+from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
+from peer_elastic.torch.gloo_records import GlooListeners
 from peer_elastic.torch.retired_groups import RetiredGroups
 from peer_elastic.torch.store import EtcdStore
 from peer_elastic.torch.stranded_connect import FormingGuard
@@ -164,6 +165,9 @@ class GroupManager:
         self.attempts = 0
         self._store: EtcdStore | None = None
         self._connections = GroupConnections()
+        # The gloo listeners of the current generation's groups, subgroups made at any time
+        # in it included: their connections are cut with the group (_group_connections).
+        self._listeners = GlooListeners()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
         self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
         self._reach = ReachReporter(  # members this peer cannot reach, kept true in etcd
@@ -178,7 +182,8 @@ class GroupManager:
         """Tear down the current group (if any). Safe after a failed collective or init."""
         with self._lock:
             had_group, self.current = self.current is not None, None
-            connections, self._connections = self._connections, GroupConnections()
+            connections, self._connections = self._group_connections(), GroupConnections()
+            self._listeners = GlooListeners()
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
@@ -232,9 +237,17 @@ class GroupManager:
                 coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
                 on_stuck=lambda a=a: self._why_forming_is_stuck(a),
             ) if self.backend == "gloo" else None
+            listeners = GlooListeners()
+
+            def saw_value(key: str, value: bytes, guard: FormingGuard | None = guard,
+                          listeners: GlooListeners = listeners) -> None:
+                listeners.saw_value(key, value)
+                if guard is not None:
+                    guard.saw_value(key, value)
+
             store = self._store = self._new_store(
                 pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE,
-                on_set=guard.saw_value if guard is not None else None)
+                on_value=saw_value if self.backend == "gloo" else None)
             init_timeout_s = self.init_timeout_s(a.size)
             try:
                 with guard or contextlib.nullcontext(), \
@@ -261,7 +274,7 @@ class GroupManager:
             t2 = time.monotonic()
             with self._lock:
                 self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation)
-                self._connections = connections
+                self._connections, self._listeners = connections, listeners
             if guard is not None and guard.fired is not None:
                 # Formed only because the guard handed gloo closed sockets: broken.
                 log.info("generation %d formed after its guard acted (%s): discarded",
@@ -284,30 +297,6 @@ class GroupManager:
                                                         timeout=_ADDRESS_RECHECK_S)
             except TimeoutError:
                 continue
-
-    @contextlib.contextmanager
-    def adopting_connections(self) -> Iterator[None]:
-        """Connections opened in the block to a roster member of the current group (the
-        subgroups that reset callbacks make: a DDP wrapper's, a device mesh's) are cut
-        with the group when it is abandoned, instead of waiting out their own timeout."""
-        group = self.current
-        if group is None or self.backend == "nccl":  # nccl: abort() covers its communicators
-            yield
-            return
-        snap = self.coordinator.snapshot()
-        roster_ips = {plain_ip(m.record.net_address) for i in group.roster
-                      if (m := snap.members.get(i)) is not None and m.record.net_address}
-
-        def elsewhere(host: str, port: int) -> bool:
-            return self._is_etcd(host, port) or plain_ip(host) not in roster_ips
-
-        with GroupConnections.capture(exclude=elsewhere) as more:
-            yield
-        with self._lock:
-            if group is self.current and more.inodes:
-                self._connections = self._connections.merged(more)
-                log.debug("generation %d: %d connections of subgroups made in the reset "
-                          "callbacks are cut with it", group.generation, len(more.inodes))
 
     def init_timeout_s(self, size: int) -> float:
         """The group timeout while ``init_process_group`` connects ``size`` ranks.
@@ -364,16 +353,18 @@ class GroupManager:
         with self._lock:
             if group is not self.current:
                 return False
-            connections = self._connections
+            connections = self._group_connections()
         n = group.assignment.generation
         log.warning("abandoning generation %d's collectives: %s", n, why)
         if self.backend == "nccl":
-            # nccl aborts for real (ncclCommAbort); gloo's abort() does not wake a blocked
-            # receive, hence the connections below. Not exercised by the CPU test suite.
+            # nccl aborts for real (ncclCommAbort), each group its own communicators: the
+            # default group and every subgroup made in it. gloo's abort() does not wake a
+            # blocked receive, hence the connections below. Not exercised by the CPU suite.
             try:
-                dist.distributed_c10d._get_default_group().abort()
+                for pg in known_groups():
+                    pg.abort()  # type: ignore[attr-defined]
             except Exception as exc:
-                log.warning("could not abort generation %d's nccl group: %s", n, exc)
+                log.warning("could not abort generation %d's nccl groups: %s", n, exc)
                 return False
         elif connections.cut() == 0:
             log.warning("%s, but generation %d has no connection left to cut; its collectives "
@@ -578,8 +569,15 @@ class GroupManager:
             self._mark_broken(a.generation, f"rendezvous: {result.detail}")
         return False
 
+    def _group_connections(self) -> GroupConnections:
+        """The current generation's connections: those captured while its group formed, and
+        any open now to or from a listener of a group made in it since (subgroups, made in
+        reset callbacks or in the training function). Under ``_lock``."""
+        return self._connections.merged(
+            GroupConnections.touching(self._listeners.addresses()))
+
     def _new_store(self, pending: GroupId, prefix: str, give_up_on: Collection[StopCause],
-                   on_set: Callable[[str, bytes], None] | None = None) -> EtcdStore:
+                   on_value: Callable[[str, bytes], None] | None = None) -> EtcdStore:
         coord = self.coordinator
         assert coord.run is not None
         return EtcdStore(
@@ -588,7 +586,7 @@ class GroupManager:
             lease_id=coord.run.lease_id,
             timeout=timedelta(seconds=self.rendezvous_timeout_s),
             abort=lambda: self._abort_reason(pending, give_up_on),
-            on_set=on_set,
+            on_value=on_value,
         )
 
     def _abort_reason(self, pending: GroupId,

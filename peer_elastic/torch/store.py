@@ -156,7 +156,7 @@ class EtcdStore(dist.Store):
         abort: AbortFn | None = None,
         *,
         abort_poll_s: float = 0.1,
-        on_set: Callable[[str, bytes], None] | None = None,
+        on_value: Callable[[str, bytes], None] | None = None,
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         self._client = client
@@ -164,7 +164,9 @@ class EtcdStore(dist.Store):
         self.lease_id = lease_id
         self._abort = abort
         self.abort_poll_s = abort_poll_s
-        self._on_set = on_set  # sees each set(key, value): torch's writes, as it makes them
+        # Sees each (key, value) written or read through this store and its clones: the
+        # records gloo's groups exchange as they form, subgroups' included.
+        self._on_value = on_value
         self.abort_reason: str | None = None  # the reason of the last StoreAborted raised
         # Markers of add/append calls that returned: deleted by the next such write.
         self._spent_markers: list[str] = []
@@ -306,13 +308,18 @@ class EtcdStore(dist.Store):
         """Write ``value`` under the run lease (overwrites, like torch's stores)."""
         data = _to_bytes(value)
         self._client.put(self._key(key), data, lease=self.lease_id)
-        if self._on_set is not None:
-            self._on_set(key, data)
+        self._saw(key, data)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""
         full = self._key(key)
-        return self._wait_values([full])[full]
+        value = self._wait_values([full])[full]
+        self._saw(key, value)
+        return value
+
+    def _saw(self, key: str, value: bytes) -> None:
+        if self._on_value is not None:
+            self._on_value(key, value)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until all ``keys`` exist; ``timeout`` defaults to the store's."""
@@ -417,6 +424,8 @@ class EtcdStore(dist.Store):
         if not full:
             return []
         values = self._wait_values(full)
+        for key, k in zip(keys, full, strict=True):
+            self._saw(key, values[k])
         return [values[k] for k in full]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
@@ -427,6 +436,8 @@ class EtcdStore(dist.Store):
                 for k, v in zip(keys, values, strict=True)]
         if puts:
             self._client.txn([], puts)
+            for key, value in zip(keys, values, strict=True):
+                self._saw(key, _to_bytes(value))
 
     def append(self, key: str, value: bytes | str) -> None:
         """Atomically append ``value`` to ``key`` (creating it), by compare-and-swap; exactly
@@ -495,7 +506,7 @@ class EtcdStore(dist.Store):
         """
         return EtcdStore(
             self._client, self.prefix, self.lease_id, self.timeout, self._abort,
-            abort_poll_s=self.abort_poll_s,
+            abort_poll_s=self.abort_poll_s, on_value=self._on_value,
         )
 
     # -- beyond torch ---------------------------------------------------------------------------

@@ -43,63 +43,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from peer_elastic.torch.abort import Changes, GroupConnections, socket_inodes
+from peer_elastic.torch.gloo_records import GlooRankRecord, parse_gloo_rank
 
 log = logging.getLogger(__name__)
 
-_SIZE = struct.Struct("<Q")  # gloo writes sizes and sequence numbers as native 64-bit
-_SOCKADDR_STORAGE = 128  # sizeof(struct sockaddr_storage) on Linux
+_SIZE = struct.Struct("<Q")  # gloo writes sequence numbers as native 64-bit
 #: How often the guard re-checks the generation when no membership change wakes it.
 _CHECK_S = 1.0
 #: How often a guard that fired repeats its work while the init is still stuck.
 _REPEAT_S = 2.0
-
-
-@dataclass(frozen=True)
-class GlooRankRecord:
-    """What one rank of a forming gloo group published: where its listener is and the
-    sequence number each peer must send it to connect their pair."""
-
-    hostname: str
-    family: int  # socket.AF_INET or AF_INET6
-    host: str
-    port: int
-    pair_ids: tuple[int, ...]  # by peer rank
-
-
-def parse_gloo_rank(value: bytes, size: int) -> GlooRankRecord | None:
-    """``value`` as gloo's tcp rank record of a group of ``size`` ranks, else None.
-
-    The layout (gloo ``transport/tcp/context.cc``, ``Rank::bytes``): the hostname's length
-    and bytes, the device address' length and bytes (a ``sockaddr_storage`` and a sequence
-    number), then one 64-bit pair identifier per rank. Every length must add up exactly.
-    """
-    try:
-        (name_len,) = _SIZE.unpack_from(value, 0)
-        at = _SIZE.size + name_len
-        (addr_len,) = _SIZE.unpack_from(value, at)
-        addr = value[at + _SIZE.size:at + _SIZE.size + addr_len]
-        at += _SIZE.size + addr_len
-    except struct.error:
-        return None
-    if (addr_len != _SOCKADDR_STORAGE + _SIZE.size or len(addr) != addr_len
-            or len(value) - at != 8 * size):
-        return None
-    family = int.from_bytes(addr[0:2], "little")
-    (port,) = struct.unpack_from(">H", addr, 2)
-    if family == socket.AF_INET:
-        host = socket.inet_ntop(socket.AF_INET, addr[4:8])
-    elif family == socket.AF_INET6:
-        host = socket.inet_ntop(socket.AF_INET6, addr[8:24])
-    else:
-        return None
-    pair_ids = struct.unpack_from(f"<{size}q", value, at)
-    if port == 0 or any(i < 0 for i in pair_ids):
-        return None
-    return GlooRankRecord(value[8:8 + name_len].decode("utf-8", "replace"), family, host,
-                          port, pair_ids)
 
 
 def release_listening_pairs(record: GlooRankRecord, rank: int, timeout_s: float = 1.0) -> int:

@@ -25,7 +25,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_DDP=1``: average gradients with DistributedDataParallel, rebuilt in a reset
   callback (the README's recipe), instead of pe.DistributedOptimizer. With
   ``WORKER_DDP_SUBGROUP=1`` the callback first makes a subgroup of every rank
-  (``dist.new_group``) and DDP reduces over it, as over a device mesh's groups.
+  (``dist.new_group``) and DDP reduces over it, as over a device mesh's groups; with
+  ``WORKER_DDP_SUBGROUP=train`` the training function makes the subgroup and the DDP wrapper
+  over it each time it is entered (not a reset callback).
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
   the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
   the epochs actually trained). Only at an epoch's start: a job re-entering its training
@@ -84,7 +86,9 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
-DDP_SUBGROUP = os.environ.get("WORKER_DDP_SUBGROUP") == "1"
+DDP_SUBGROUP = os.environ.get("WORKER_DDP_SUBGROUP", "")  # "1": in the callback; or "train"
+if DDP_SUBGROUP not in ("", "1", "train"):
+    raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
     raise SystemExit(f"WORKER_RECORD={RECORD!r}: expected batch, indices or local")
 
@@ -216,7 +220,7 @@ def main() -> int:
                                                                 process_group=group)
 
         callbacks = [lambda: seen_sizes.append(dist.get_world_size())]
-        if USE_DDP:
+        if USE_DDP and DDP_SUBGROUP != "train":
             callbacks.append(rebuild_ddp)
         state.register_reset_callbacks(callbacks)
 
@@ -224,6 +228,8 @@ def main() -> int:
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
+            if USE_DDP and DDP_SUBGROUP == "train":
+                rebuild_ddp()  # here, not in a reset callback: its connections open mid-run
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
             # epochs; ending mid-epoch would leave a part-trained epoch it calls wrong).
