@@ -4,7 +4,7 @@ applied to a real elastic job, ending with the exactly-once oracle (issue 9).
 ``make_plan(seed)`` is a pure function of the seed. It draws an API *pattern* (how the
 worker records progress, how often it commits, whether it checks for host updates between
 commits, plain values in the state, DDP rebuilt in a reset callback, half of those over a
-subgroup the callback makes: the WORKER_* knobs of
+subgroup, which the callback or the training function makes: the WORKER_* knobs of
 ``tests/helpers/elastic_worker.py``) and then a sequence of events under a model of the job
 (running peers, ``max_np``, ``min_np``, paused), so that no event takes the roster below
 ``min_np``. :class:`ScheduleRunner` extends :class:`tests.helpers.chaos.ChaosRunner` (which
@@ -95,15 +95,19 @@ class Pattern:
     check_every: int = 0  # 0: never; else state.check_host_updates() every j-th non-commit step
     plain: bool = False
     ddp: bool = False
-    ddp_subgroup: bool = False  # DDP reduces over a subgroup the reset callback makes
+    # DDP reduces over a subgroup: "" none, "1" the reset callback makes it, "train" the
+    # training function does.
+    ddp_subgroup: str = ""
 
     def env(self) -> dict[str, object]:
         return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
                 "WORKER_CHECK_EVERY": self.check_every, "WORKER_PLAIN": int(self.plain),
-                "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": int(self.ddp_subgroup)}
+                "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup}
 
     def describe(self) -> str:
-        ddp = f"ddp={int(self.ddp)}" + (" (over a subgroup)" if self.ddp_subgroup else "")
+        where = {"": "", "1": " (over a subgroup)",
+                 "train": " (over a subgroup the training function makes)"}
+        ddp = f"ddp={int(self.ddp)}" + where[self.ddp_subgroup]
         return (f"record={self.record} commit_every={self.commit_every} "
                 f"check_every={self.check_every} plain={int(self.plain)} {ddp}")
 
@@ -194,8 +198,9 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     # Which long stops cut a host from its peers only (SEvent.peers_only): drawn apart too.
     peer_cuts = random.Random(f"{seed}/peercut")
     pattern = make_pattern(rng)
-    if pattern.ddp:  # drawn apart, as the bursts
-        pattern = replace(pattern, ddp_subgroup=random.Random(f"{seed}/subgroup").random() < 0.5)
+    if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
+        where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
+        pattern = replace(pattern, ddp_subgroup=where)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
