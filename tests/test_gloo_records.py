@@ -10,9 +10,9 @@ etcd) is ``tests/test_abort.py::test_a_subgroup_made_in_the_training_function_is
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -20,34 +20,8 @@ import torch
 import torch.distributed as dist
 
 from peer_elastic.torch.abort import GroupConnections
-from peer_elastic.torch.gloo_records import GlooListeners, parse_gloo_rank
-
-
-class ReportingStore(dist.Store):
-    """A torch store that reports each value written or read."""
-
-    def __init__(self, inner: dist.Store, saw: Callable[[str, bytes], None]) -> None:
-        super().__init__()
-        self.inner, self.saw = inner, saw
-
-    def set(self, key: str, value: bytes | str) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        self.inner.set(key, data)
-        self.saw(key, data)
-
-    def get(self, key: str) -> bytes:
-        value = self.inner.get(key)
-        self.saw(key, value)
-        return value
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.inner.wait(keys)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def add(self, key: str, value: int) -> int:
-        return self.inner.add(key, value)
+from peer_elastic.torch.gloo_records import GlooListeners, GlooRankRecord, parse_gloo_rank
+from tests.helpers.gloo import ReportingStore, record_bytes
 
 
 def two_ranks(store: dist.Store, timeout_s: float = 30.0) -> list[dist.ProcessGroup]:
@@ -116,7 +90,7 @@ def test_cutting_them_ends_a_collective_blocked_in_a_group_made_later() -> None:
     del first
 
 
-def test_records_of_any_size_parse_and_others_are_not_listeners() -> None:
+def test_gloos_own_records_parse() -> None:
     seen: list[tuple[str, bytes]] = []
     lock = threading.Lock()
 
@@ -124,10 +98,35 @@ def test_records_of_any_size_parse_and_others_are_not_listeners() -> None:
         with lock:
             seen.append((key, value))
 
-    two_ranks(ReportingStore(dist.PrefixStore("any", dist.HashStore()), keep))
-    records = [r for _, v in seen if (r := parse_gloo_rank(v)) is not None]
-    assert records and all(r.pair_ids == (0, 1) and r.port > 0 for r in records)
+    two_ranks(ReportingStore(dist.PrefixStore("parse", dist.HashStore()), keep))
+    records = {key: parse_gloo_rank(value, 2) for key, value in seen}
+    assert set(records) == {"0/0", "0/1"}, records
+    for record in records.values():
+        assert record is not None and record.port > 0 and record.pair_ids == (0, 1)
+        assert record.family == socket.AF_INET and record.host == "127.0.0.1"
+    assert parse_gloo_rank(seen[0][1], 3) is None  # one rank more: the lengths disagree
+    assert parse_gloo_rank(seen[0][1]) == records[seen[0][0]]  # of any size: the same
+
+
+@pytest.mark.parametrize("value", [
+    b"", b"\x01", record_bytes("10.0.0.1", 80, [0, 1])[:-1],  # truncated
+    record_bytes("10.0.0.1", 80, [0, 1]) + b"\0" * 8,  # a pair id too many
+    record_bytes("10.0.0.1", 0, [0, 1]),  # no port
+    record_bytes("10.0.0.1", 80, [0, -5]),  # a negative sequence number
+    struct.pack("<Q", 2**40) + b"x",  # a hostname longer than the value
+])
+def test_values_that_are_not_a_rank_record_are_ignored(value: bytes) -> None:
+    assert parse_gloo_rank(value, 2) is None
+
+
+def test_a_valid_record_round_trips() -> None:
+    record = parse_gloo_rank(record_bytes("10.1.2.3", 4242, [7, 0, 9], b"host-a"), 3)
+    assert record == GlooRankRecord("host-a", socket.AF_INET, "10.1.2.3", 4242, (7, 0, 9))
+
+
+def test_only_rank_records_name_listeners() -> None:
     listeners = GlooListeners()
     for key, value in [("x", b""), ("y", b"\x07" * 8), ("z", b"1")]:
         listeners.saw_value(key, value)  # counters, flags, torch's own keys
-    assert listeners.addresses() == frozenset()
+    listeners.saw_value("sub/1", record_bytes("10.0.0.7", 4000, [3, 0, 5]))
+    assert listeners.addresses() == frozenset({("10.0.0.7", 4000)})

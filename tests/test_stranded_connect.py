@@ -16,38 +16,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 
-from peer_elastic.torch.gloo_records import GlooRankRecord, parse_gloo_rank
+from peer_elastic.torch.gloo_records import GlooRankRecord
 from peer_elastic.torch.stranded_connect import FormingGuard, release_listening_pairs
-
-
-class SpyStore(dist.Store):
-    """A torch store that tells ``on_set`` of every write (as ``EtcdStore(on_value=...)``
-    does, and of every read)."""
-
-    def __init__(self, inner: dist.Store, on_set: Callable[[str, bytes], None]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.on_set = on_set
-
-    def set(self, key: str, value: bytes | str) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        self.on_set(key, data)
-        self.inner.set(key, data)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.inner.wait(keys)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def add(self, key: str, value: int) -> int:
-        return self.inner.add(key, value)
+from tests.helpers.gloo import ReportingStore, record_bytes
 
 
 class Doom:
@@ -75,58 +48,6 @@ class Doom:
     def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()
-
-
-def record_bytes(host: str, port: int, pair_ids: list[int], name: bytes = b"h1") -> bytes:
-    """A gloo tcp rank record (``Rank::bytes``) for an IPv4 listener."""
-    storage = bytearray(128)
-    storage[0:2] = socket.AF_INET.to_bytes(2, "little")
-    storage[2:4] = port.to_bytes(2, "big")
-    storage[4:8] = socket.inet_aton(host)
-    address = bytes(storage) + struct.pack("<q", -1)
-    return (struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address
-            + struct.pack(f"<{len(pair_ids)}q", *pair_ids))
-
-
-def test_gloos_own_records_parse() -> None:
-    seen: list[tuple[str, bytes]] = []
-    lock = threading.Lock()
-
-    def keep(key: str, value: bytes) -> None:
-        with lock:
-            seen.append((key, value))
-
-    store = SpyStore(dist.PrefixStore("parse", dist.HashStore()), keep)
-    groups: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(
-        r, dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)))) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(groups) == 2
-    records = {key: parse_gloo_rank(value, 2) for key, value in seen}
-    assert set(records) == {"0/0", "0/1"}, records
-    for record in records.values():
-        assert record is not None and record.port > 0 and record.pair_ids == (0, 1)
-        assert record.family == socket.AF_INET and record.host == "127.0.0.1"
-    assert parse_gloo_rank(seen[0][1], 3) is None  # one rank more: the lengths disagree
-
-
-@pytest.mark.parametrize("value", [
-    b"", b"\x01", record_bytes("10.0.0.1", 80, [0, 1])[:-1],  # truncated
-    record_bytes("10.0.0.1", 80, [0, 1]) + b"\0" * 8,  # a pair id too many
-    record_bytes("10.0.0.1", 0, [0, 1]),  # no port
-    record_bytes("10.0.0.1", 80, [0, -5]),  # a negative sequence number
-    struct.pack("<Q", 2**40) + b"x",  # a hostname longer than the value
-])
-def test_values_that_are_not_a_rank_record_are_ignored(value: bytes) -> None:
-    assert parse_gloo_rank(value, 2) is None
-
-
-def test_a_valid_record_round_trips() -> None:
-    record = parse_gloo_rank(record_bytes("10.1.2.3", 4242, [7, 0, 9], b"host-a"), 3)
-    assert record == GlooRankRecord("host-a", socket.AF_INET, "10.1.2.3", 4242, (7, 0, 9))
 
 
 def test_release_sends_each_other_ranks_sequence_number_to_the_own_listener() -> None:
@@ -159,7 +80,7 @@ class ListenerOfADeadRank:
         self.inner = dist.PrefixStore(prefix, dist.HashStore())
         # A member that died at once, at a port above any ephemeral one (ours).
         self.inner.set("0/1", record_bytes("127.0.0.1", 65535, [0, 1]))
-        self.store = SpyStore(self.inner, guard.saw_value)
+        self.store = ReportingStore(self.inner, guard.saw_value)
         self.outcome: list[str] = []
         self.thread = threading.Thread(target=self._form, daemon=True)
 
