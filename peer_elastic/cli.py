@@ -31,6 +31,14 @@ if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
+#: Commands that only talk to etcd and print. Nothing of theirs needs the interpreter's
+#: orderly exit (no child process, no server, no etcd of their own), and that exit can
+#: hang after their work is done: a ``status`` that had printed its answer and returned did
+#: not exit for 60 s, twice in the suite (a job whose run appeared meanwhile). So the
+#: console script ends them at once, with everything written out (:func:`entry`).
+ONE_SHOT_COMMANDS = frozenset({"status", "drain", "events", "snapshots", "set", "pause",
+                               "resume", "report"})
+
 
 def _setting_flags(p: argparse.ArgumentParser) -> None:
     for f in JOB_FIELDS:
@@ -125,9 +133,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def entry() -> None:
+    """The ``peer-elastic`` console script: :func:`main`, then exit with its code; a
+    :data:`one-shot <ONE_SHOT_COMMANDS>` command leaves without the interpreter's exit
+    (logs and output flushed first)."""
+    code = main(leave_at_once=True)
+    sys.exit(code)
+
+
+def main(argv: Sequence[str] | None = None, *, leave_at_once: bool = False) -> int:
+    """Run one command; return its exit code. With ``leave_at_once`` (the console script),
+    a one-shot command ends the process itself, right after its work."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    code = _dispatch(args, parser)
+    if leave_at_once and args.command in ONE_SHOT_COMMANDS:
+        _leave_now(code)
+    return code
+
+
+def _leave_now(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be written
+            pass
+    os._exit(code)
+
+
+def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -522,4 +557,4 @@ def cmd_set(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
