@@ -45,6 +45,16 @@ def test_two_members_that_cannot_reach_each_other_keep_the_older() -> None:
     assert cut_off({"a": {"b"}, "b": {"a"}}, AGE[:2]) == {"b"}
 
 
+def test_a_lone_first_report_takes_out_the_member_it_names_not_its_writer() -> None:
+    # a (the oldest) is cut off from b and c. b's report reaches etcd first: a single edge,
+    # on which a is the one reported. Then the others arrive; a goes throughout.
+    assert cut_off({"b": {"a"}}, AGE[:3]) == {"a"}
+    assert cut_off({"b": {"a"}, "c": {"a"}}, AGE[:3]) == {"a"}
+    assert cut_off({"b": {"a"}, "a": {"b", "c"}}, AGE[:3]) == {"a"}
+    # And the other way round: a younger member reported by an older one goes.
+    assert cut_off({"a": {"c"}}, AGE[:3]) == {"c"}
+
+
 def test_a_healing_cut_keeps_out_the_member_that_was_out_not_the_one_that_trained() -> None:
     # a (the oldest) was cut off from b and c; b, c trained on without it (roster b, c).
     # The cut heals and the reports go one by one: c withdrew, a no longer names c. The last

@@ -11,14 +11,20 @@ probes every one before each rendezvous, :mod:`peer_elastic.torch.group`) says s
 in a :class:`~peer_elastic.records.ReachRecord` under its own lease, and every member
 computes the same *cut-off* set from the reports (:func:`cut_off`). The reports are edges
 of a graph, "a cannot reach b" joining a and b; while an edge remains, the member on the
-most edges goes; of a tie, one that is already out of the current roster, then the
-youngest. A member alone on the far side of a partition goes (every other member reports
+most edges goes; of a tie, one that is already out of the current roster, then the one
+more members report, then the youngest. A member alone on the far side of a partition goes (every other member reports
 it, and it reports every other); of two equal halves, the one holding the oldest member
 stays. Preferring who is already out keeps a healing cut from flapping: the reports go one
 by one as their re-probes answer, and the last edge left (two members that each still
 report the other) then takes out the member that was cut off, not the one that trained
 through the cut, which the older-stays rule alone did (seen in a seeded schedule on three
-hosts: one extra generation each way while the cut healed). Cut-off members are not eligible
+hosts: one extra generation each way while the cut healed). Preferring the reported member
+keeps the first report of a cut from taking out the healthy member that wrote it: the
+members that probe a cut-off one report a single edge each, while the cut-off member
+reports every member it probed at once; when a healthy member's single edge reached etcd
+first, the younger-goes rule took that healthy member out until the other reports arrived
+(seen on three hosts, and that generation's collective then waited out its timeout). Cut-off
+members are not eligible
 (:meth:`~peer_elastic.etcd.view.ViewSnapshot.eligible`), so the leader writes a generation
 without them, and they wait as registered standbys.
 
@@ -52,20 +58,24 @@ def cut_off(reports: Mapping[str, Collection[str]], by_age: Sequence[str],
     cannot reach), the live members ``by_age`` (oldest first) and the current ``roster``.
     Edges between members that are not both live are ignored (a dead member's key goes;
     its report goes with its lease). Of the members on the most edges, one already out of
-    the roster goes first, then the youngest: a cut heals report by report (each reporter
-    withdraws when its own re-probe answers), and the last edge left must not take out the
-    side that trained through the cut. Deterministic: every member computes the same set
-    from the same snapshot."""
+    the roster goes first, then one reported by more members, then the youngest: a cut heals
+    report by report (each reporter withdraws when its own re-probe answers), and the last
+    edge left must not take out the side that trained through the cut; and the first report
+    of a cut is often a single edge (a healthy member that probed the cut-off one), which
+    must not take out its reporter. Deterministic: every member computes the same set from
+    the same snapshot."""
     age = {m: i for i, m in enumerate(by_age)}
     training = frozenset(roster)
-    edges = {frozenset((a, b)) for a, seen in reports.items() if a in age
-             for b in seen if b in age and b != a}
+    arcs = {(a, b) for a, seen in reports.items() if a in age
+            for b in seen if b in age and b != a}
     gone: set[str] = set()
-    while edges:
+    while arcs:
+        edges = {frozenset(arc) for arc in arcs}
         degree = Counter(m for e in edges for m in e)
-        victim = max(degree, key=lambda m: (degree[m], m not in training, age[m]))
+        reported = Counter(b for _, b in arcs)
+        victim = max(degree, key=lambda m: (degree[m], m not in training, reported[m], age[m]))
         gone.add(victim)
-        edges = {e for e in edges if victim not in e}
+        arcs = {(a, b) for a, b in arcs if victim not in (a, b)}
     return frozenset(gone)
 
 
