@@ -272,3 +272,39 @@ def test_a_subgroup_made_in_the_training_function_is_abandoned_with_its_group(
         stop_one_until_the_others_reform(cluster, victim=1)
     finally:
         cluster.close()
+
+
+def _may_force_send_buffers() -> bool:
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_SNDBUFFORCE", 32), 1 << 26)
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.skipif(not _may_force_send_buffers(),
+                    reason="needs CAP_NET_ADMIN (SO_SNDBUFFORCE) for a 64 MB send buffer")
+def test_a_send_gloo_queued_on_a_stalled_link_ends_when_its_connections_are_cut(
+        tmp_path) -> None:
+    # Real gloo, two processes. Rank 1 posts a receive and is SIGSTOPped; rank 0 sends it
+    # 64 MB, more than rank 1's kernel buffers take, so gloo queues the rest of the send on
+    # the socket. gloo's error path never wakes such a send (Pair::signalException skips
+    # queued unbound-buffer sends): cut plainly, it waited out the group timeout (30 s,
+    # measured). Cut with room for the queued bytes first, it ends at once.
+    store, go = tmp_path / "store", tmp_path / "go"
+    args = [sys.executable, "-m", "tests.helpers.queued_send"]
+    receiver = PeerProc([*args, "1", str(store), str(go)], dict(os.environ), "rank1")
+    sender = PeerProc([*args, "0", str(store), str(go), "--flush", "0.2"], dict(os.environ),
+                      "rank0")
+    try:
+        receiver.wait_line("READY", timeout=60)
+        receiver.signal(signal.SIGSTOP)
+        go.touch()
+        assert sender.wait_line("QUEUED", timeout=60) == "QUEUED True", sender.output()
+        line = sender.wait_line("SENT", timeout=60)
+        took = float(line.split()[1])
+        assert took < 10, sender.output()  # the group timeout is 30 s
+    finally:
+        receiver.kill()
+        sender.kill()

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -163,17 +164,28 @@ class GroupConnections:
         both.cut_count = self.cut_count + other.cut_count
         return both
 
-    def cut(self) -> int:
-        """Shut down every remembered connection that is still open; return how many."""
+    def cut(self, flush_s: float = 0.0) -> int:
+        """Shut down every remembered connection that is still open; return how many.
+
+        With ``flush_s``, each connection first gets room for whatever gloo still has
+        queued for it, and the shutdown follows ``flush_s`` later. Why: gloo sizes a
+        socket's send buffer by the first message (a few KB), so on a link that stopped
+        acknowledging, a send soon no longer fits and waits in the pair's queue for the
+        socket to take it; and gloo's ``Pair::signalException`` wakes every pending
+        operation except such a queued unbound-buffer send, which then waits out the group
+        timeout however its connection ends (seen on three hosts: one peer of the cut's
+        healthy side stuck in "Timed out waiting ... for send operation to complete").
+        A larger send buffer wakes gloo's loop, which hands the kernel the rest; the send
+        completes here (its bytes never arrive), and the collective fails at its next step
+        on the shut connections.
+        """
+        if flush_s > 0:
+            for sock in self._open():
+                with sock:
+                    _make_room(sock)
+            time.sleep(flush_s)
         count = 0
-        by_inode = socket_inodes()
-        for inode in self.inodes:
-            fd = by_inode.get(inode)
-            if fd is None:
-                continue
-            sock = _open_socket(fd, inode)
-            if sock is None:
-                continue
+        for sock in self._open():
             with sock:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -182,6 +194,33 @@ class GroupConnections:
                     pass
         self.cut_count += count
         return count
+
+    def _open(self) -> Iterator[socket.socket]:
+        """A duplicate of each remembered connection still open (the caller closes it)."""
+        by_inode = socket_inodes()
+        for inode in self.inodes:
+            fd = by_inode.get(inode)
+            if fd is not None and (sock := _open_socket(fd, inode)) is not None:
+                yield sock
+
+
+#: The send buffer a connection gets before it is cut (see GroupConnections.cut).
+_ROOM_BYTES = 64 * 1024 * 1024
+#: SO_SNDBUFFORCE (Linux, asm-generic/socket.h): Python's socket module does not name it.
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32 if sys.platform == "linux" else None)
+
+
+def _make_room(sock: socket.socket) -> None:
+    """Grow ``sock``'s send buffer: beyond ``net.core.wmem_max`` where this process may
+    (SO_SNDBUFFORCE, CAP_NET_ADMIN), else up to it."""
+    for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
+        if option is None:
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, _ROOM_BYTES)
+            return
+        except OSError:  # not permitted, or the connection is gone already
+            continue
 
 
 def endpoint_matcher(endpoints: Iterable[tuple[str, int]]) -> Callable[[str, int], bool]:

@@ -66,6 +66,9 @@ _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
 #: probe its group's members, then again every _STALL_PROBE_EVERY_S while it waits.
 _STALL_PROBE_AFTER_S = 2.0
 _STALL_PROBE_EVERY_S = 5.0
+#: How long an abandoned group's connections keep room for gloo's queued sends before they
+#: are shut down (GroupConnections.cut): gloo's loop hands them over within milliseconds.
+_FLUSH_BEFORE_CUT_S = 0.2
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
 
@@ -366,7 +369,7 @@ class GroupManager:
             except Exception as exc:
                 log.warning("could not abort generation %d's nccl groups: %s", n, exc)
                 return False
-        elif connections.cut() == 0:
+        elif connections.cut(flush_s=_FLUSH_BEFORE_CUT_S) == 0:
             log.warning("%s, but generation %d has no connection left to cut; its collectives "
                         "end at the collective timeout (%.0f s)", why, n,
                         self.collective_timeout_s)
