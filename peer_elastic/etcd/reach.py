@@ -12,19 +12,19 @@ in a :class:`~peer_elastic.records.ReachRecord` under its own lease, and every m
 computes the same *cut-off* set from the reports (:func:`cut_off`). The reports are edges
 of a graph, "a cannot reach b" joining a and b; while an edge remains, the member on the
 most edges goes; of a tie, one that is already out of the current roster, then the one
-more members report, then the youngest. A member alone on the far side of a partition goes (every other member reports
-it, and it reports every other); of two equal halves, the one holding the oldest member
-stays. Preferring who is already out keeps a healing cut from flapping: the reports go one
-by one as their re-probes answer, and the last edge left (two members that each still
-report the other) then takes out the member that was cut off, not the one that trained
-through the cut, which the older-stays rule alone did (seen in a seeded schedule on three
-hosts: one extra generation each way while the cut healed). Preferring the reported member
-keeps the first report of a cut from taking out the healthy member that wrote it: the
-members that probe a cut-off one report a single edge each, while the cut-off member
-reports every member it probed at once; when a healthy member's single edge reached etcd
-first, the younger-goes rule took that healthy member out until the other reports arrived
-(seen on three hosts, and that generation's collective then waited out its timeout). Cut-off
-members are not eligible
+more members report, then the youngest. A member alone on the far side of a partition goes
+(every other member reports it, and it reports every other); of two equal halves, the one
+holding the oldest member stays. Preferring who is already out keeps a healing cut from
+flapping: the reports go one by one as their re-probes answer, and the last edge left (two
+members that each still report the other) then takes out the member that was cut off, not
+the one that trained through the cut, which the older-stays rule alone did (seen in a
+seeded schedule on three hosts: one extra generation each way while the cut healed).
+Preferring the reported member keeps the first report of a cut from taking out the healthy
+member that wrote it: the members that probe a cut-off one report a single edge each,
+while the cut-off member reports every member it probed at once; when a healthy member's
+single edge reached etcd first, the younger-goes rule took that healthy member out until
+the other reports arrived (seen on three hosts, and that generation's collective then
+waited out its timeout). Cut-off members are not eligible
 (:meth:`~peer_elastic.etcd.view.ViewSnapshot.eligible`), so the leader writes a generation
 without them, and they wait as registered standbys.
 

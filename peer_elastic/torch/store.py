@@ -318,8 +318,12 @@ class EtcdStore(dist.Store):
         return value
 
     def _saw(self, key: str, value: bytes) -> None:
-        if self._on_value is not None:
+        if self._on_value is None:
+            return
+        try:
             self._on_value(key, value)
+        except Exception:  # an observer: its failure must not fail torch's rendezvous
+            log.exception("EtcdStore %s: the on_value hook failed on %r", self.prefix, key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until all ``keys`` exist; ``timeout`` defaults to the store's."""
