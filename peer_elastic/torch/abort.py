@@ -91,6 +91,27 @@ def _peer_of(sock: socket.socket) -> tuple[str, int] | None:
     return peer[0], peer[1]
 
 
+def _connections(skip: Collection[int] = (),
+                 ) -> Iterator[tuple[int, tuple[str, int], tuple[str, int]]]:
+    """``(inode, remote (host, port), local (host, port))`` of each connected TCP socket of
+    this process whose inode is not in ``skip``; listeners are never included."""
+    for inode, fd in socket_inodes().items():
+        if inode in skip:
+            continue
+        sock = _open_socket(fd, inode)
+        if sock is None:
+            continue
+        with sock:
+            peer = _peer_of(sock)
+            if peer is None:
+                continue
+            try:
+                local = sock.getsockname()
+            except OSError:  # closed meanwhile
+                continue
+        yield inode, peer, (local[0], local[1])
+
+
 class GroupConnections:
     """The TCP connections one process group opened, remembered so they can be cut.
 
@@ -119,18 +140,8 @@ class GroupConnections:
                      exclude: Callable[[str, int], bool]) -> GroupConnections:
         """The connections open now that were not in ``before`` (a :func:`socket_inodes`)
         and lead anywhere but ``exclude``; listeners are never included."""
-        kept = []
-        for inode, fd in socket_inodes().items():
-            if inode in before:
-                continue
-            sock = _open_socket(fd, inode)
-            if sock is None:
-                continue
-            with sock:
-                peer = _peer_of(sock)
-            if peer is not None and not exclude(*peer):
-                kept.append(inode)
-        return cls(kept)
+        return cls(inode for inode, peer, _ in _connections(skip=before)
+                   if not exclude(*peer))
 
     @classmethod
     def touching(cls, endpoints: Collection[tuple[str, int]]) -> GroupConnections:
@@ -140,23 +151,9 @@ class GroupConnections:
         as its local end; one made to it, as its remote end. Listeners are not included."""
         if not endpoints:
             return cls()
-        kept = []
-        for inode, fd in socket_inodes().items():
-            sock = _open_socket(fd, inode)
-            if sock is None:
-                continue
-            with sock:
-                peer = _peer_of(sock)
-                if peer is None:
-                    continue
-                try:
-                    local = sock.getsockname()
-                except OSError:
-                    continue
-            if ((plain_ip(peer[0]), peer[1]) in endpoints
-                    or (plain_ip(local[0]), local[1]) in endpoints):
-                kept.append(inode)
-        return cls(kept)
+        return cls(inode for inode, peer, local in _connections()
+                   if (plain_ip(peer[0]), peer[1]) in endpoints
+                   or (plain_ip(local[0]), local[1]) in endpoints)
 
     def merged(self, other: GroupConnections) -> GroupConnections:
         """These connections and ``other``'s (a group's subgroups made after it formed)."""
@@ -235,9 +232,8 @@ def endpoint_matcher(endpoints: Iterable[tuple[str, int]]) -> Callable[[str, int
             addresses.add((str(info[4][0]), port))
 
     def match(host: str, port: int) -> bool:
-        if host.startswith("::ffff:"):  # an IPv4 peer on a dual-stack socket
-            return (host, port) in addresses or (host[7:], port) in addresses
-        return (host, port) in addresses
+        # plain_ip: an IPv4 peer on a dual-stack socket shows as ::ffff:a.b.c.d
+        return (host, port) in addresses or (plain_ip(host), port) in addresses
 
     return match
 

@@ -417,16 +417,15 @@ class GroupManager:
         except Exception:  # a thread of its own: nothing else would see it fail
             log.exception("probing generation %d's members failed", group.generation)
 
-    def _report_unreachable(self, a: Assignment, context: str) -> bool:
+    def _report_unreachable(self, a: Assignment, context: str) -> None:
         """Probe ``a``'s roster and :meth:`name <_name_unreachable>` the members that do not
-        answer. True if any did not."""
+        answer."""
         try:
             problems = self._unreachable(a)
         except PeerElasticError as exc:  # this peer's own address, etcd: the rendezvous says
             log.debug("probing generation %d's members: %s", a.generation, exc)
-            return False
+            return
         self._name_unreachable(a, problems, context)
-        return bool(problems)
 
     def _name_unreachable(self, a: Assignment, problems: dict[str, str],
                           context: str = "") -> None:
