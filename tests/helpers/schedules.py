@@ -1,7 +1,8 @@
 """Model-based schedules: a seeded mix of a documented API pattern and a sequence of events,
 applied to a real elastic job, ending with the exactly-once oracle (issue 9).
 
-``make_plan(seed)`` is a pure function of the seed. It draws an API *pattern* (how the
+``make_plan(seed)`` is a pure function of the seed. It draws a job *shape* (how many peers
+run at most, ``min_np``, ``max_np``: :data:`SHAPES`, two peers to five), an API *pattern* (how the
 worker records progress, how often it commits, whether it checks for host updates between
 commits, plain values in the state, DDP rebuilt in a reset callback, half of those over a
 subgroup, which the callback or the training function makes: the WORKER_* knobs of
@@ -177,10 +178,31 @@ PEER_CUT_SHARE = 0.5
 PEER_CUT_HOLD_S = (4.5, 16.0)
 
 
-def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, max_np: int = 3,
+#: Job shapes, ``(peers, min_np, max_np)``: ``peers`` is the most running at once (the rest
+#: beyond ``max_np`` wait as standbys). The first is the shape every plan had before shapes
+#: were drawn; the others are what users also run: two peers where a crash leaves one to train
+#: alone, ``min_np=1``, no standby, a roster of four, five peers. Never ``max_np=1``: a kill of
+#: the only roster member leaves nobody holding the state (see make_plan).
+SHAPES = ((4, 2, 3), (2, 1, 2), (3, 1, 2), (3, 2, 3), (4, 1, 4), (3, 1, 3), (5, 2, 4))
+#: The share of plans with the first shape.
+FIRST_SHAPE_SHARE = 0.4
+
+
+def draw_shape(seed: int) -> tuple[int, int, int]:
+    """The job shape of ``seed``'s plan (drawn apart from the rest of the plan)."""
+    rng = random.Random(f"{seed}/shape")
+    if rng.random() < FIRST_SHAPE_SHARE:
+        return SHAPES[0]
+    return rng.choice(SHAPES[1:])
+
+
+def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
+              min_np: int | None = None, max_np: int | None = None,
               hang: bool | None = None) -> Plan:
-    """The seeded plan: a pattern and at least ``n_events`` events; it ends with the
-    settings back at ``min_np``/``max_np`` and the roster not paused.
+    """The seeded plan: a job shape, a pattern and at least ``n_events`` events; it ends with
+    the settings back at ``min_np``/``max_np`` and the roster not paused.
+
+    The shape (``peers``, ``min_np``, ``max_np``) is drawn from :data:`SHAPES` unless given.
 
     The model: ``live`` running peers (roster and standbys), ``mx``/``mn`` the current
     max_np/min_np. A departure (kill, term, drain, hang), a long stop (which lasts one event) or a
@@ -190,6 +212,12 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int = 4, min_np: int = 2, 
     """
     if hang is None:
         hang = hang_detection() is not None
+    drawn = draw_shape(seed)
+    peers = drawn[0] if peers is None else peers
+    min_np = drawn[1] if min_np is None else min_np
+    max_np = drawn[2] if max_np is None else max_np
+    if not 1 <= min_np <= max_np <= peers:
+        raise ValueError(f"need 1 <= min_np <= max_np <= peers, not {min_np}, {max_np}, {peers}")
     rng = random.Random(seed)
     # Which kills are bursts: drawn apart, so that the rest of a seed's plan stays as it was.
     bursts = random.Random(f"{seed}/burst")
