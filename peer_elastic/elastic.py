@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from peer_elastic import logs
-from peer_elastic.agreement import Claim, StateVersion
+from peer_elastic.agreement import Agreement, Claim, StateVersion
 from peer_elastic.durable.service import DurableSnapshots
 from peer_elastic.durable.writer import SnapshotInfo
 from peer_elastic.errors import (
@@ -49,6 +49,7 @@ from peer_elastic.errors import (
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
+from peer_elastic.lost_state import StateMarker, lost_state
 from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.torch.abort import HangWatchdog
@@ -114,6 +115,8 @@ class Peer:
         self.reset_log: list[dict[str, Any]] = []
         self._pending_timing: dict[str, Any] | None = None
         self._progress = _Publisher(coordinator)
+        # Rank 0 says in etcd that the state has commits (peer_elastic.lost_state).
+        self._marker = StateMarker(self._progress.offer_state)
         # peer_elastic.metrics.PeerMetrics, or None when off (a NoopMetrics is falsy): then
         # nothing wraps the per-step check, and the other hooks go to a NoObserver.
         self.metrics = metrics if metrics else None
@@ -237,8 +240,10 @@ class Peer:
         if committing:
             state.record_commit()
             self._live = self._committed = self._live.committed()
-            if self.snapshots is not None and group.assignment.rank == 0:
-                self.snapshots.after_commit(state, self._snapshot_info())
+            if group.assignment.rank == 0:
+                self._marker.committed(self._committed.commits, group.generation)
+                if self.snapshots is not None:
+                    self.snapshots.after_commit(state, self._snapshot_info())
         if reset:
             newest = snap.generation
             removals_only = newest is not None and not newest.joined
@@ -392,16 +397,37 @@ class Peer:
         # when their version matches: it costs one sync and relies on nothing they kept.
         need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
-        resume = None
+        resume_from_snapshot = None
         if self.snapshots is not None:
-            resume = self.snapshots.resumer(state, self.generation, self.device)
+            resume_from_snapshot = self.snapshots.resumer(state, self.generation, self.device)
+        no_holder = False
+
+        def resume() -> Agreement | None:
+            # agree_and_sync calls this on every rank exactly when no rank holds committed
+            # state: the first group of a run, or every holder lost (peer_elastic.lost_state).
+            nonlocal no_holder
+            no_holder = True
+            return resume_from_snapshot() if resume_from_snapshot is not None else None
+
         agreement = agree_and_sync(state, Claim(self._live, need), self.device, resume,
                                    committed=self._committed)
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
+        if no_holder:
+            self._report_lost_state(agreement.version)
         self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
+
+    def _report_lost_state(self, agreed: StateVersion) -> None:
+        """A group formed in which no rank held committed state: if the run's state had
+        commits, say loudly that it was lost and where training goes on from."""
+        lost = lost_state(True, self.coordinator.snapshot().state, agreed)
+        if lost is None:
+            return  # the first group of a run
+        log.error("%s", lost.describe())
+        if self.rank == 0:
+            self._progress.offer_event("state_lost", lost.describe(), self.generation, {})
 
     def _final_snapshot(self, state: Any) -> None:
         """Leaving on purpose (SIGTERM, drain) as rank 0 of the last group: write a durable
@@ -501,13 +527,15 @@ class Peer:
 
 
 class _Publisher:
-    """Writes progress (the newest, at most once a second) and events from a thread, so
-    the training thread never waits on etcd."""
+    """Writes progress (the newest, at most once a second), the state's commit count
+    (peer_elastic.lost_state) and events from a thread, so the training thread never waits
+    on etcd."""
 
     def __init__(self, coordinator: Coordinator, period_s: float = 1.0) -> None:
         self._coord = coordinator
         self._period = period_s
         self._latest: dict[str, int] | None = None
+        self._state: tuple[int, int] | None = None  # (commits, generation) to say
         self._events: list[tuple[str, str, int, dict[str, float]]] = []
         self._cv = threading.Condition()
         self._stopped = False
@@ -516,6 +544,11 @@ class _Publisher:
     def offer(self, **fields: int) -> None:
         with self._cv:
             self._latest = fields
+            self._start()
+
+    def offer_state(self, commits: int, generation: int) -> None:
+        with self._cv:
+            self._state = (commits, generation)
             self._start()
 
     def offer_event(self, kind: str, detail: str, generation: int,
@@ -534,13 +567,16 @@ class _Publisher:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._latest is not None or self._events
-                                  or self._stopped)
+                                  or self._state is not None or self._stopped)
                 if self._stopped:
                     return
                 fields, self._latest = self._latest, None
                 events, self._events = self._events, []
+                committed, self._state = self._state, None
             for kind, detail, generation, timings in events:
                 self._coord.record_event(kind, detail, generation=generation, timings=timings)
+            if committed is not None:
+                self._coord.record_state(*committed)
             if fields is not None:
                 try:
                     self._coord.record_progress(**fields)

@@ -32,13 +32,14 @@ from peer_elastic.proto.records_pb2 import (
     ReachRecord,
     RunRecord,
     SnapshotRecord,
+    StateRecord,
 )
 
 __all__ = [
     "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
     "FenceRecord", "GenerationCause", "GenerationRecord",
     "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "ReachRecord", "RunRecord",
-    "SnapshotRecord",
+    "SnapshotRecord", "StateRecord",
     "encode", "decode", "valid_name",
 ]
 
@@ -137,6 +138,13 @@ def _validate(record: Message, key: str) -> None:
             raise bad(f"unix={record.unix}")
         if len(record.checksum) != 64 or any(c not in "0123456789abcdef" for c in record.checksum):
             raise bad("checksum is not a sha256 hex digest")
+    elif isinstance(record, StateRecord):
+        if not record.commits:
+            raise bad("no commits (the record is written only after one)")
+        if not math.isfinite(record.unix):
+            raise bad(f"unix={record.unix}")
+        if not valid_name(record.written_by):
+            raise bad(f"writer {record.written_by!r}")
     elif isinstance(record, (AckRecord, DrainRecord)):
         if not valid_name(record.member_id):
             raise bad(f"member id {record.member_id!r}")

@@ -68,6 +68,7 @@ def test_parse_is_the_inverse_of_the_builders() -> None:
         k.failures("h"): ParsedKey(KeyKind.FAILURES, "j", "r1", "h"),
         k.blacklist("h"): ParsedKey(KeyKind.BLACKLIST, "j", "r1", "h"),
         k.progress: ParsedKey(KeyKind.PROGRESS, "j", "r1"),
+        k.state: ParsedKey(KeyKind.STATE, "j", "r1"),
         k.done: ParsedKey(KeyKind.DONE, "j", "r1"),
         k.event("m", 42): ParsedKey(KeyKind.EVENT, "j", "r1", f"{42:020d}-m"),
     }

@@ -18,13 +18,14 @@ from peer_elastic.records import (
     GenerationRecord,
     MemberRecord,
     RunRecord,
+    StateRecord,
     decode,
     encode,
     valid_name,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = [AckRecord, DoneRecord, GenerationRecord, MemberRecord, RunRecord]
+ALL = [AckRecord, DoneRecord, GenerationRecord, MemberRecord, RunRecord, StateRecord]
 
 
 def test_generated_module_matches_the_proto(tmp_path: Path) -> None:
@@ -74,6 +75,16 @@ def test_generation_validation() -> None:
     assert list(decode(GenerationRecord, encode(GenerationRecord(number=2))).causes) == []
     assert list(decode(GenerationRecord, encode(GenerationRecord(number=2, causes=[8, 99])))
                 .causes) == [8, 99]
+
+
+def test_state_record_validation() -> None:
+    ok = StateRecord(commits=3, generation=2, unix=1.0, written_by="h-1-abc")
+    assert decode(StateRecord, encode(ok)).commits == 3
+    for bad, why in [(StateRecord(commits=0, unix=1.0, written_by="h"), "no commits"),
+                     (StateRecord(commits=1, unix=float("nan"), written_by="h"), "unix"),
+                     (StateRecord(commits=1, unix=1.0, written_by="a/b"), "writer")]:
+        with pytest.raises(RecordError, match=why):
+            decode(StateRecord, encode(bad), "/peer-elastic/j/r/state")
 
 
 def test_oversized_record_is_refused_before_it_reaches_etcd() -> None:

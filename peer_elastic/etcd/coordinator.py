@@ -352,6 +352,12 @@ class Coordinator:
         assert self.writer is not None
         self.writer.progress(ProgressRecord(unix=time.time(), **fields))
 
+    def record_state(self, commits: int, generation: int) -> None:
+        """Say in etcd that the run's training state has ``commits`` commits (rank 0 calls
+        this after commits; a group that forms with no holder of the state reads it).
+        Best effort: the next commit's mark says it again."""
+        self._best_effort("record the state's commits", lambda w: w.state(commits, generation))
+
     def finish(self, success: bool = True, reason: str = "",
                timeout_s: float = FINISH_TIMEOUT_S) -> bool:
         """Record the end of the run in ``done`` and return once etcd holds it.

@@ -16,6 +16,7 @@
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)
 /peer-elastic/<job>/<run>/progress              ProgressRecord (run lease)
+/peer-elastic/<job>/<run>/state                 StateRecord (run lease): the state has commits
 /peer-elastic/<job>/<run>/events/<ns>-<member>  EventRecord (run lease)
 /peer-elastic/<job>/<run>/done                  DoneRecord (run lease)
 ```
@@ -145,6 +146,10 @@ class RunKeys:
         return self.prefix + "progress"
 
     @property
+    def state(self) -> str:
+        return self.prefix + "state"
+
+    @property
     def done(self) -> str:
         return self.prefix + "done"
 
@@ -175,6 +180,7 @@ class KeyKind(enum.Enum):
     FAILURES = "failures"
     BLACKLIST = "blacklist"
     PROGRESS = "progress"
+    STATE = "state"
     DONE = "done"
     EVENT = "events"
     SNAPSHOT = "snapshots"
@@ -197,7 +203,7 @@ class ParsedKey:
 
 
 _RUN_SINGLE = {"generation": KeyKind.GENERATION, "progress": KeyKind.PROGRESS,
-               "done": KeyKind.DONE}
+               "state": KeyKind.STATE, "done": KeyKind.DONE}
 _RUN_NAMED = {"members": KeyKind.MEMBER, "drain": KeyKind.DRAIN, "fenced": KeyKind.FENCED,
               "unreachable": KeyKind.UNREACHABLE,
               "failures": KeyKind.FAILURES, "blacklist": KeyKind.BLACKLIST,

@@ -34,6 +34,7 @@ from peer_elastic.records import (
     ProgressRecord,
     ReachRecord,
     RunRecord,
+    StateRecord,
     decode,
 )
 
@@ -83,6 +84,7 @@ class _RunState:
     blacklist: dict[str, HostRecord] = field(default_factory=dict)
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
+    state: StateRecord | None = None
     done: DoneRecord | None = None
     events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
 
@@ -116,6 +118,9 @@ class ViewSnapshot:
     # Reporter -> the members whose process-group address it cannot reach (etcd/reach.py).
     unreachable: Mapping[str, frozenset[str]] = field(
         default_factory=lambda: MappingProxyType({}))
+    # That the run's training state has commits (rank 0 writes it; elastic.py reads it when a
+    # group forms with no rank holding committed state).
+    state: StateRecord | None = None
 
     @property
     def generation_number(self) -> int:
@@ -392,6 +397,8 @@ class JobView:
             st.failures[name] = (decode(HostRecord, kv.value, kv.key), kv.mod_revision)
         elif kind is KeyKind.PROGRESS:
             st.progress = decode(ProgressRecord, kv.value, kv.key)
+        elif kind is KeyKind.STATE:
+            st.state = decode(StateRecord, kv.value, kv.key)
         elif kind is KeyKind.DONE:
             st.done = decode(DoneRecord, kv.value, kv.key)
         elif kind is KeyKind.EVENT:
@@ -444,6 +451,8 @@ class JobView:
             st.events.discard(key)
         elif kind is KeyKind.PROGRESS:
             st.progress = None
+        elif kind is KeyKind.STATE:
+            st.state = None
         elif kind is KeyKind.DONE:
             st.done = None
 
@@ -474,5 +483,6 @@ class JobView:
             event_count=len(st.events),
             fenced=MappingProxyType(dict(st.fenced)),
             unreachable=MappingProxyType(dict(st.unreachable)),
+            state=st.state,
         )
 

@@ -29,6 +29,7 @@ from peer_elastic.records import (
     HostRecord,
     ProgressRecord,
     ReachRecord,
+    StateRecord,
     encode,
 )
 
@@ -100,6 +101,12 @@ class RunWriter:
     def progress(self, rec: ProgressRecord) -> None:
         """Write the last committed position (``status`` shows it)."""
         self.client.put(self.keys.progress, encode(rec), self.run_lease)
+
+    def state(self, commits: int, generation: int) -> None:
+        """Say that the run's training state has ``commits`` commits (rank 0 writes it)."""
+        rec = StateRecord(commits=commits, generation=generation, unix=time.time(),
+                          written_by=self.member_id)
+        self.client.put(self.keys.state, encode(rec), self.run_lease)
 
     def mark_leaving(self, generation: int) -> None:
         """Write our drain record with a "left" event before the member lease goes, so the

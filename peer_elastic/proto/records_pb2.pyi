@@ -257,6 +257,20 @@ class ProgressRecord(_message.Message):
     commits: int
     def __init__(self, schema: _Optional[int] = ..., generation: _Optional[int] = ..., epoch: _Optional[int] = ..., batch: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unix: _Optional[float] = ..., commits: _Optional[int] = ...) -> None: ...
 
+class StateRecord(_message.Message):
+    __slots__ = ("schema", "commits", "generation", "unix", "written_by")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    commits: int
+    generation: int
+    unix: float
+    written_by: str
+    def __init__(self, schema: _Optional[int] = ..., commits: _Optional[int] = ..., generation: _Optional[int] = ..., unix: _Optional[float] = ..., written_by: _Optional[str] = ...) -> None: ...
+
 class DoneRecord(_message.Message):
     __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation", "cause")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,84 @@
+"""Telling a fresh run from one whose every holder of the training state was lost.
+
+The state lives only in the peers' memory (and in durable snapshots, where configured). A
+group in which no rank holds committed state (every claim at the initial
+:class:`~peer_elastic.agreement.StateVersion`) is the first group of a run, or what is left
+after every peer that held the state died at once while others lived: the whole roster
+killed with standbys waiting, a host cut off that carried every trained peer. Those two look
+the same to the group, and the second must not pass in silence: training would start again
+from the initial state (or from a durable snapshot) and the user would only notice the epoch
+counter going back.
+
+So rank 0 says in etcd that the state has commits (:class:`StateMarker`, at most once a
+second while it commits; ``<run>/state``), and a group that forms with no holder reads it
+from the watched view (:func:`lost_state`): if the run's state had commits, every rank logs
+an error and rank 0 records a ``state_lost`` event naming what was lost and where training
+goes on from.
+
+One job: the rule and the throttle. No etcd, no torch: the caller writes and reads the record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from peer_elastic.agreement import StateVersion
+from peer_elastic.records import StateRecord
+
+__all__ = ["MARK_PERIOD_S", "LostState", "StateMarker", "lost_state"]
+
+#: The most often rank 0 says how many commits the state has.
+MARK_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class LostState:
+    """The run's state had commits and no rank of the new group holds any of them."""
+
+    commits: int  # commits the run's state had (as of rank 0's last mark)
+    generation: int  # the generation that made the last of them
+    holder: str  # the member id of the rank 0 that said so
+    resumed_commits: int  # commits of the durable snapshot resumed from; 0: none
+
+    def describe(self) -> str:
+        lost = (f"no peer of this group holds the run's training state: every peer that held "
+                f"it is gone (it had {self.commits} commits, the last in generation "
+                f"{self.generation}, rank 0 {self.holder})")
+        if self.resumed_commits:
+            return (f"{lost}; resumed from the newest durable snapshot, at "
+                    f"{self.resumed_commits} commits")
+        return (f"{lost}; training starts again from the state the training script built "
+                f"(set snapshot_dir to resume from durable snapshots instead)")
+
+
+def lost_state(no_holder: bool, mark: StateRecord | None,
+               agreed: StateVersion) -> LostState | None:
+    """What was lost, when a group forms with ``no_holder`` (no rank held committed state)
+    while the run's ``mark`` says its state had commits; ``agreed`` is the version the group
+    went on with (a resumed snapshot's, or the initial one)."""
+    if not no_holder or mark is None or mark.commits == 0:
+        return None
+    return LostState(commits=mark.commits, generation=mark.generation, holder=mark.written_by,
+                     resumed_commits=agreed.commits)
+
+
+class StateMarker:
+    """Rank 0's side: hands ``(commits, generation)`` to ``offer`` after a commit, at most
+    once per ``period_s`` (the write happens on a background thread; the training thread
+    only compares two clock readings)."""
+
+    def __init__(self, offer: Callable[[int, int], None], period_s: float = MARK_PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._offer = offer
+        self._period = period_s
+        self._clock = clock
+        self._last: float | None = None
+
+    def committed(self, commits: int, generation: int) -> None:
+        now = self._clock()
+        if self._last is not None and now - self._last < self._period:
+            return
+        self._last = now
+        self._offer(commits, generation)
