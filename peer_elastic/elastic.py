@@ -426,6 +426,7 @@ class Peer:
         if lost is None:
             return  # the first group of a run
         log.error("%s", lost.describe())
+        self.stats.count("states_lost")
         if self.rank == 0:
             self._progress.offer_event("state_lost", lost.describe(), self.generation, {})
 

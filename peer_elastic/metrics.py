@@ -183,7 +183,8 @@ class _CoordinatorStats:
     counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
     (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
     did; collectives_abandoned: what its hang watchdog did; snapshots_*: its durable
-    snapshot writer; check_exchanges, checks_spaced: its plain checks)."""
+    snapshot writer; check_exchanges, checks_spaced: its plain checks; states_lost: groups
+    formed after every holder of the state was lost)."""
 
     HELP = {
         "generations_written": "Generations this peer wrote as leader",
@@ -199,6 +200,8 @@ class _CoordinatorStats:
         "check_exchanges": "Plain checks that exchanged the newest generation with the group",
         "checks_spaced": "Plain checks that returned without an exchange, between two "
                          "(checks coming faster than an exchange is worth)",
+        "states_lost": "Groups this peer formed in which nobody held the run's committed "
+                       "state any more (every peer that held it was lost at once)",
     }
 
     def __init__(self, peer: Peer) -> None:

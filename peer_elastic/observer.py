@@ -44,6 +44,9 @@ class PeerStats:
     #: without one, between two (checks coming fast: peer_elastic.torch.check_cadence).
     check_exchanges: int = 0
     checks_spaced: int = 0
+    #: Groups this peer formed with no holder of a state that had commits: every peer that
+    #: held it was lost at once (peer_elastic.lost_state).
+    states_lost: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()

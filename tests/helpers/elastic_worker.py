@@ -297,6 +297,7 @@ def main() -> int:
                 # this rank's plain checks: with an exchange, and spaced between two
                 "check_exchanges": peer.stats.check_exchanges,
                 "checks_spaced": peer.stats.checks_spaced,
+                "states_lost": peer.stats.states_lost,
             }
             if PLAIN:
                 result["steps"] = state.steps
