@@ -422,7 +422,7 @@ class Peer:
     def _report_lost_state(self, agreed: StateVersion) -> None:
         """A group formed in which no rank held committed state: if the run's state had
         commits, say loudly that it was lost and where training goes on from."""
-        lost = lost_state(True, self.coordinator.snapshot().state, agreed)
+        lost = lost_state(self.coordinator.snapshot().state, agreed)
         if lost is None:
             return  # the first group of a run
         log.error("%s", lost.describe())

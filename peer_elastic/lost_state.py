@@ -53,12 +53,11 @@ class LostState:
                 f"(set snapshot_dir to resume from durable snapshots instead)")
 
 
-def lost_state(no_holder: bool, mark: StateRecord | None,
-               agreed: StateVersion) -> LostState | None:
-    """What was lost, when a group forms with ``no_holder`` (no rank held committed state)
-    while the run's ``mark`` says its state had commits; ``agreed`` is the version the group
-    went on with (a resumed snapshot's, or the initial one)."""
-    if not no_holder or mark is None or mark.commits == 0:
+def lost_state(mark: StateRecord | None, agreed: StateVersion) -> LostState | None:
+    """Asked when a group forms with no rank holding committed state: what was lost, if the
+    run's ``mark`` says its state had commits (None: the first group of a run). ``agreed``
+    is the version the group went on with (a resumed snapshot's, or the initial one)."""
+    if mark is None or mark.commits == 0:
         return None
     return LostState(commits=mark.commits, generation=mark.generation, holder=mark.written_by,
                      resumed_commits=agreed.commits)

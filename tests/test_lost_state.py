@@ -18,19 +18,18 @@ MARK = StateRecord(commits=40, generation=3, unix=1.0, written_by="h-1-abc")
 
 
 def test_a_group_with_no_holder_in_a_run_whose_state_had_commits_lost_it() -> None:
-    lost = lost_state(True, MARK, StateVersion())
+    lost = lost_state(MARK, StateVersion())
     assert lost is not None
     assert (lost.commits, lost.generation, lost.holder, lost.resumed_commits) == (
         40, 3, "h-1-abc", 0)
     assert "40 commits" in lost.describe() and "snapshot_dir" in lost.describe()
-    resumed = lost_state(True, MARK, StateVersion(35, 4, 0))
+    resumed = lost_state(MARK, StateVersion(35, 4, 0))
     assert resumed is not None and resumed.resumed_commits == 35
     assert "durable snapshot, at 35 commits" in resumed.describe()
 
 
-def test_the_first_group_of_a_run_and_a_group_with_a_holder_lost_nothing() -> None:
-    assert lost_state(True, None, StateVersion()) is None  # a fresh run: no mark yet
-    assert lost_state(False, MARK, StateVersion(40, 3, 7)) is None  # someone held it
+def test_the_first_group_of_a_run_lost_nothing() -> None:
+    assert lost_state(None, StateVersion()) is None  # a fresh run: no mark yet
 
 
 def test_rank_0_marks_commits_at_most_once_a_period() -> None:
