@@ -56,6 +56,7 @@ from peer_elastic.torch.gloo_records import GlooListeners
 from peer_elastic.torch.retired_groups import RetiredGroups
 from peer_elastic.torch.store import EtcdStore
 from peer_elastic.torch.stranded_connect import FormingGuard
+from peer_elastic.torch.subgroup_timeout import bound_default_timeouts, restore_default_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class GroupManager:
         self.backend = resolve_backend(backend)
         self.collective_timeout_s = collective_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
+        # Groups the training script makes without a timeout get ours, not torch's 30 min.
+        self._torch_defaults = bound_default_timeouts(collective_timeout_s)
         self.current: FormedGroup | None = None
         self.attempts = 0
         self._store: EtcdStore | None = None
@@ -213,6 +216,7 @@ class GroupManager:
         self.destroy()
         self._reach.close()
         self._retired.release(wait_s)
+        restore_default_timeouts(self._torch_defaults)
 
     def form(self, after: int) -> FormedGroup:
         """Join the newest generation after ``after`` that lists this peer.
