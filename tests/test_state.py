@@ -26,6 +26,7 @@ from peer_elastic.handlers import (
 from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import ObjectState, State, TorchState
 from peer_elastic.torch.collectives import (
+    SourceCannotSend,
     broadcast_plain,
     broadcast_tensors,
     broadcast_validated,
@@ -515,11 +516,22 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
         odd.sync()
     except ValueError as exc:
         out["layout_error"] = "differs" in str(exc)
-    # An unsupported plain value: TypeError everywhere, before any collective.
+    # An unsupported plain value: TypeError everywhere; the source's names the value, the
+    # others say the source could not send (only the source encodes). Then a value only
+    # the source (rank 2) holds: the same, and nobody waits for the others.
     try:
         TorchState(_net(), bad={1, 2}).sync()
-    except TypeError:
-        out["type_error"] = True
+    except SourceCannotSend:
+        out["type_error"] = rank != 0
+    except TypeError as exc:
+        out["type_error"] = rank == 0 and "bad" in str(exc) and "set" in str(exc)
+    with syncing_from(2):
+        try:
+            TorchState(_net(), bad={1, 2} if rank == 2 else 0).sync()
+        except SourceCannotSend:
+            out["type_error"] &= rank != 2
+        except TypeError as exc:
+            out["type_error"] &= rank == 2 and "bad" in str(exc)
     ok = torch.ones(1)
     dist.all_reduce(ok)
     out["group_ok"] = float(ok) == world

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_DIRECT_BYTES",
     "DEFAULT_INLINE_BYTES",
     "DEFAULT_SPLIT_BYTES",
+    "SourceCannotSend",
     "agree_and_sync",
     "all_reduce_max_inplace",
     "broadcast_bytes",
@@ -41,6 +42,7 @@ __all__ = [
     "broadcast_plain",
     "broadcast_tensors",
     "broadcast_validated",
+    "is_sync_source",
     "check_same_everywhere",
     "halves",
     "plan_buckets",
@@ -106,6 +108,11 @@ _sync_from = _SyncFrom()
 def sync_source() -> int:
     """The rank every state broadcast comes from: 0, unless :func:`syncing_from` says else."""
     return _sync_from.source
+
+
+def is_sync_source() -> bool:
+    """Whether this rank is the one every state broadcast comes from."""
+    return dist.get_rank() == _sync_from.source
 
 
 def sync_holders() -> tuple[int, ...]:
@@ -187,6 +194,9 @@ def broadcast_plain(value: Any, what: str = "value") -> Any:
 
 _DIGEST_BYTES = 28  # 224 bits of SHA-256: equal digests mean equal descriptions
 _LENGTH_BYTES = 8
+#: The length the source puts in the header when it has no payload to send (it refused a
+#: value): the MAX over ranks, since the others put zeros.
+_REFUSED = 2 ** (8 * _LENGTH_BYTES) - 1
 _COMPLEMENT = bytes(range(255, -1, -1))  # bytes.translate table: b -> 255 - b
 
 DEFAULT_INLINE_BYTES = 16 * 2**10
@@ -196,34 +206,45 @@ hundred tensors needs no second collective; the check costs the same at this siz
 no payload at all (a small all-reduce is all latency)."""
 
 
-def _header(description: str, payload: bytes, is_src: bool, inline: int) -> torch.Tensor:
+class SourceCannotSend(TypeError):
+    """Raised on every rank by :func:`broadcast_validated` when the sync source had no
+    payload to send (it refused one of its values: its own error names the value)."""
+
+
+def _header(description: str, payload: bytes | None, is_src: bool,
+            inline: int) -> torch.Tensor:
     """What a rank puts into the layout check's MAX all-reduce, as bytes: the description's
     digest, the digest's complement (the MAX of ``255 - b`` gives the minimum of ``b``, so
-    every rank sees whether some rank differs), the source's payload length and its first
-    ``inline`` bytes. Other ranks put zeros where the source's length and payload go."""
+    every rank sees whether some rank differs), the source's payload length (``_REFUSED``
+    for none) and its first ``inline`` bytes. Other ranks put zeros where the source's length
+    and payload go."""
     digest = hashlib.sha256(description.encode("utf-8")).digest()[:_DIGEST_BYTES]
     header = bytearray(2 * _DIGEST_BYTES + _LENGTH_BYTES + inline)
     header[:_DIGEST_BYTES] = digest
     header[_DIGEST_BYTES:2 * _DIGEST_BYTES] = digest.translate(_COMPLEMENT)
     if is_src:
         at = 2 * _DIGEST_BYTES
-        header[at:at + _LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "big")
-        head = payload[:inline]
+        length = _REFUSED if payload is None else len(payload)
+        header[at:at + _LENGTH_BYTES] = length.to_bytes(_LENGTH_BYTES, "big")
+        head = (payload or b"")[:inline]
         header[at + _LENGTH_BYTES:at + _LENGTH_BYTES + len(head)] = head
     return torch.frombuffer(header, dtype=torch.uint8)
 
 
-def broadcast_validated(payload: bytes, description: str, what: str,
+def broadcast_validated(payload: bytes | None, description: str, what: str,
                         inline: int = DEFAULT_INLINE_BYTES) -> bytes:
     """The sync source's ``payload`` on every rank, once all ranks' ``description`` agree.
 
-    Raises ValueError on EVERY rank unless all ranks have the same ``description``: a
-    mismatched structure would otherwise make the bucketed broadcasts disagree on sizes and
-    hang or corrupt memory. One MAX all-reduce of a byte header (:func:`_header`) checks the
+    Only the source's ``payload`` is read: the other ranks may pass ``b""``. Raises
+    ValueError on EVERY rank unless all ranks have the same ``description``: a mismatched
+    structure would otherwise make the bucketed broadcasts disagree on sizes and hang or
+    corrupt memory. One MAX all-reduce of a byte header (:func:`_header`) checks the
     descriptions and carries the source's payload when it fits in ``inline`` bytes (every
     rank must pass the same ``inline``); a longer payload's rest follows in one broadcast.
+    A source that passes None (it could not encode its payload) makes every rank raise
+    :class:`SourceCannotSend` after the layout check, instead of leaving them waiting.
     """
-    is_src = dist.get_rank() == sync_source()
+    is_src = is_sync_source()
     header = _header(description, payload, is_src, inline)
     all_reduce_max_inplace(header)
     got = header.numpy().tobytes()
@@ -236,10 +257,14 @@ def broadcast_validated(payload: bytes, description: str, what: str,
         )
     at = 2 * _DIGEST_BYTES
     n = int.from_bytes(got[at:at + _LENGTH_BYTES], "big")
+    if n == _REFUSED:
+        raise SourceCannotSend(f"{what}: the sync source (rank {sync_source()}) holds a value "
+                               "that sync() cannot send; its own error names it")
     head = got[at + _LENGTH_BYTES:at + _LENGTH_BYTES + min(n, inline)]
     if n <= inline:
         return head
     if is_src:
+        assert payload is not None
         rest = torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8)
     else:
         rest = torch.empty(n - inline, dtype=torch.uint8)
