@@ -86,9 +86,10 @@ class StateHandler:
         return None
 
     def adopt_sync(self, plain: Any) -> list[torch.Tensor]:
-        """On every rank: make the live object match the sync source's ``plain`` part and
-        return the live tensors that then receive the source's tensors (same order, dtypes
-        and sizes as the source's ``describe_sync().tensors``)."""
+        """On every rank but the sync source (which sends its ``describe_sync().tensors``
+        and keeps its object as it is): make the live object match the source's ``plain``
+        part and return the live tensors that then receive the source's tensors (same
+        order, dtypes and sizes as the source's ``describe_sync().tensors``)."""
         raise NotImplementedError
 
     def reset(self) -> None:
