@@ -425,10 +425,11 @@ class Peer:
         lost = lost_state(self.coordinator.snapshot().state, agreed)
         if lost is None:
             return  # the first group of a run
-        log.error("%s", lost.describe())
+        what = lost.describe()
+        log.error("%s", what)
         self.stats.count("states_lost")
         if self.rank == 0:
-            self._progress.offer_event("state_lost", lost.describe(), self.generation, {})
+            self._progress.offer_event("state_lost", what, self.generation, {})
 
     def _final_snapshot(self, state: Any) -> None:
         """Leaving on purpose (SIGTERM, drain) as rank 0 of the last group: write a durable

@@ -57,7 +57,7 @@ def lost_state(mark: StateRecord | None, agreed: StateVersion) -> LostState | No
     """Asked when a group forms with no rank holding committed state: what was lost, if the
     run's ``mark`` says its state had commits (None: the first group of a run). ``agreed``
     is the version the group went on with (a resumed snapshot's, or the initial one)."""
-    if mark is None or mark.commits == 0:
+    if mark is None:  # a record read back always has commits (records.py refuses 0)
         return None
     return LostState(commits=mark.commits, generation=mark.generation, holder=mark.written_by,
                      resumed_commits=agreed.commits)

@@ -348,18 +348,17 @@ class TorchState(ObjectState):
             if refusal is not None:
                 raise refusal from None
             raise
+        received = None if source else decode_values(raw)
         tensors: list[torch.Tensor] = []
-        if source:
-            for description in described.values():
-                if description is not None:
-                    tensors += description.tensors
-            broadcast_tensors(tensors)
-        else:
-            received = decode_values(raw)
-            for name, description in described.items():
-                if description is not None:
-                    tensors += self._handlers[name].adopt_sync(received["handlers"][name])
-            broadcast_tensors(tensors)
+        for name, description in described.items():
+            if description is None:
+                continue
+            if received is None:  # the source sends what it described
+                tensors += description.tensors
+            else:
+                tensors += self._handlers[name].adopt_sync(received["handlers"][name])
+        broadcast_tensors(tensors)
+        if received is not None:
             values = received["values"]
             if set(values) != set(self._names):  # pragma: no cover - the layout names them
                 raise ValueError(f"state attributes differ: {sorted(values)} vs "

@@ -172,7 +172,7 @@ def broadcast_bytes(payload: bytes) -> bytes:
     n = int(length.item())
     if n == 0:
         return b""
-    if dist.get_rank() == sync_source():
+    if is_sync_source():
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         buf = torch.empty(n, dtype=torch.uint8)
