@@ -277,6 +277,54 @@ def test_a_subgroup_made_in_the_training_function_is_abandoned_with_its_group(
         cluster.close()
 
 
+@pytest.mark.slow
+def test_a_peer_woken_past_its_lease_is_not_listed_while_its_training_thread_is_elsewhere(
+        etcd: str, unique_job: str) -> None:
+    # The woken peer's training thread stays in the old group for a while: here in a slow
+    # batch (16 s) it was stopped in; in the wild in a send gloo had queued on a connection
+    # cut meanwhile, which waits out the collective timeout. Re-registered at once, as
+    # before, the peer was listed again and the others waited for it in their next
+    # rendezvous until its batch ended (9 s here). Now it registers only once its training
+    # thread has left the old group, and the others train on meanwhile.
+    cluster = Cluster(etcd, unique_job, **{**SETTINGS, "WORKER_EPOCHS": 8},
+                      WORKER_SLOW_AT="0:30:16:2")
+    try:
+        peers = cluster.start(3)
+        for p in peers:
+            p.wait_line("GEN", timeout=90)
+        slow = None
+        deadline = time.monotonic() + 90
+        while slow is None:
+            assert time.monotonic() < deadline, "no peer reached the slow batch"
+            slow = next((p for p in peers if any(x.startswith("SLOW") for x in p.lines)), None)
+            time.sleep(0.05)
+        others = [p for p in peers if p is not slow]
+        seen = [len(p.lines) for p in others]
+        slow.signal(signal.SIGSTOP)  # past its lease (3 s), the others re-form without it
+        for p, n in zip(others, seen, strict=True):
+            p.wait_line("GEN", after=n, timeout=60)
+        slow.signal(signal.SIGCONT)  # about 10 s of its batch left
+        woke, seen = time.monotonic(), len(slow.lines)
+        slow.wait_line("GEN", after=seen, timeout=90)  # back, once its batch ended
+        back = time.monotonic() - woke
+        for p in others:
+            with p.cond:  # the reader appends to both under it
+                steps = [t for line, t in zip(p.lines, p.arrived, strict=True)
+                         if line.startswith("STEP") and woke < t < woke + back]
+            times = [woke, *steps, woke + back]
+            gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+            print(f"woken peer back {back:.1f} s after SIGCONT; {p.name}'s longest pause "
+                  f"in its steps meanwhile {gap:.1f} s")
+            assert gap < 5.0, f"{p.name} waited {gap:.1f} s for the woken peer"
+        assert back > 5.0, "the slow batch was meant to outlast the wake by seconds"
+        for p in peers:
+            assert p.wait(240) == 0, p.output()
+        found = results(peers)
+        assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    finally:
+        cluster.close()
+
+
 def _may_force_send_buffers() -> bool:
     with socket.socket() as s:
         try:

@@ -373,6 +373,33 @@ def test_lost_lease_rejoins_as_new_member(peers: Peers) -> None:
     assert b.stats["rejoins"] == 1
 
 
+def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_opens(
+        peers: Peers) -> None:
+    # The gate stands for "the training thread has left the lost registration's groups"
+    # (GroupManager.left_lost_registration): until it opens, b must not be listed again, or
+    # the others would wait for a thread still stuck in an old collective.
+    a, b = peers.start(2, min_np=1)
+    wait_gen([a, b], lambda g: len(g.roster) == 2)
+    left = threading.Event()
+    b.hold_rejoin(left.is_set)
+    old, incarnation = b.member_id, b.incarnation
+    a.client.revoke(b.lease_id)  # as if b had stalled past its TTL
+    gen, _ = wait_gen([a], lambda g: g.roster == [a.member_id])
+    deadline = time.monotonic() + 10
+    while b.incarnation == incarnation:  # the training side sees LEASE_LOST without waiting
+        assert time.monotonic() < deadline, "b never noticed its lost lease"
+        time.sleep(0.05)
+    assert b.mark_broken(gen.number, "no registration, no write") is False
+    # Held: nobody lists b again however long it waits (several of a's settle periods).
+    assert a.view.wait_for(lambda s: len(s.members) > 1, 2.0) is None
+    assert b.stats["rejoins"] == 0 and b.member_id == old
+    left.set()
+    b.view.wake()  # what GroupManager.destroy does
+    gen, _ = wait_gen([a, b], lambda g: len(g.roster) == 2)
+    assert b.member_id != old and b.member_id in gen.roster
+    assert b.stats["rejoins"] == 1 and b.incarnation == incarnation + 1
+
+
 def test_blacklist_excludes_a_failing_host_for_its_cooldown(peers: Peers) -> None:
     settings = dict(min_np=1, blacklist_after=1, blacklist_cooldown_s=3)
     (a,) = peers.start(1, host="good", **settings)

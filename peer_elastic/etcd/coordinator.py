@@ -11,7 +11,11 @@ runs one coordination thread that reacts to every change of the watched
 * it hands the picture to its :class:`~peer_elastic.etcd.leader.Leader`, which acts only
   when this peer is the leader (the oldest eligible member): generations, drops, the
   blacklist, the elastic timeout and the reset limit;
-* when its own lease is lost it re-registers as a new member (a joiner).
+* when its own lease is lost it ends that registration at once (:attr:`incarnation`
+  changes, so the training side stops using the groups formed under it) and registers again
+  as a new member (a joiner) once the training thread has left those groups
+  (:meth:`hold_rejoin`): listed earlier, it would make the others wait in their next
+  rendezvous for a thread still stuck in an old collective.
 
 Its :class:`~peer_elastic.etcd.deaths.DeathProber` probes the members whose missing acks
 stand between this peer and writing (or, for the writer, all of them), so a crashed member
@@ -122,7 +126,10 @@ class Coordinator:
         self.keys: RunKeys | None = None
         self.writer: RunWriter | None = None
         self.member_id = ""
-        self.incarnation = 0  # bumped each time this peer (re-)registers
+        # Bumped when this peer registers first and each time it loses its registration: a
+        # group formed under another incarnation belongs to a lost registration.
+        self.incarnation = 0
+        self._rejoin_gate: Callable[[], bool] | None = None  # see hold_rejoin
         self._session: Session | None = None
         self._lock = threading.Lock()  # guards _session / member_id / error across threads
         self._acked: set[int] = set()
@@ -150,6 +157,7 @@ class Coordinator:
         if self._keeper is None:
             self._keeper = LeaseKeeper(self.client, name=f"lease-keeper:{self.job}")
         self.view.start()
+        self.incarnation += 1
         try:
             self._register()
         except BaseException:
@@ -177,7 +185,6 @@ class Coordinator:
                 self.leader.writer = self.writer
                 self._session = reg.session
                 self.member_id = reg.member_id
-                self.incarnation += 1
                 self._lost_lease.clear()
         if closed:
             reg.session.close(revoke=True)
@@ -205,6 +212,25 @@ class Coordinator:
             log.warning("member %s lost its lease: %s", self.member_id, why)
             self._lost_lease.set()
         self.view.wake()
+
+    def hold_rejoin(self, until: Callable[[], bool] | None) -> None:
+        """After a lost lease, register again only once ``until()`` holds (None: at once).
+
+        The training side passes "my training thread has left every group formed under a
+        lost registration". It is asked on the coordination thread, under the view's lock,
+        so it must only read memory; whoever makes it true calls ``view.wake()``.
+        """
+        self._rejoin_gate = until
+        self.view.wake()
+
+    def _may_register(self) -> bool:
+        gate = self._rejoin_gate
+        return gate is None or gate()
+
+    def _rejoin_due(self) -> bool:
+        """A lost lease the coordination thread has yet to act on: end the registration, or
+        register again now that the gate opened."""
+        return self._lost_lease.is_set() and (self._session is not None or self._may_register())
 
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
         self._fail(PeerElasticError(
@@ -315,27 +341,30 @@ class Coordinator:
         """
         return self._best_effort(
             f"mark generation {generation} broken",
-            lambda w: w.ack(AckKind.BROKEN, generation, self.lease_id, detail[:500]))
+            lambda w, lease: w.ack(AckKind.BROKEN, generation, lease, detail[:500]))
 
     def report_unreachable(self, members: Collection[str], generation: int) -> bool:
         """Record that this member's process groups cannot reach ``members`` (best effort,
         as :meth:`mark_broken`; :mod:`~peer_elastic.etcd.reach`)."""
         return self._best_effort(
             f"report unreachable members {sorted(members)}",
-            lambda w: w.report_unreachable(members, generation, self.lease_id))
+            lambda w, lease: w.report_unreachable(members, generation, lease))
 
     def clear_unreachable(self) -> bool:
         """Withdraw this member's report: everyone it named answers again (best effort)."""
         return self._best_effort("withdraw the report of unreachable members",
-                                 lambda w: w.clear_unreachable())
+                                 lambda w, _lease: w.clear_unreachable())
 
-    def _best_effort(self, what: str, write: Callable[[RunWriter], object]) -> bool:
-        """``write`` with this registration's writer; False (logged) when there is none or
-        etcd did not take it."""
-        if self.writer is None:
+    def _best_effort(self, what: str, write: Callable[[RunWriter, int], object]) -> bool:
+        """``write`` with this registration's writer and member lease; False (logged) when
+        there is no registration (none yet, or its lease was lost) or etcd did not take it."""
+        with self._lock:
+            writer, session = self.writer, self._session
+        if writer is None or session is None:
+            log.info("could not %s: this peer has no registration now", what)
             return False
         try:
-            write(self.writer)
+            write(writer, session.lease_id)
         except EtcdError as exc:
             log.warning("could not %s: %s", what, exc)
             return False
@@ -356,7 +385,8 @@ class Coordinator:
         """Say in etcd that the run's training state has ``commits`` commits (rank 0 calls
         this after commits; a group that forms with no holder of the state reads it).
         Best effort: the next commit's mark says it again."""
-        self._best_effort("record the state's commits", lambda w: w.state(commits, generation))
+        self._best_effort("record the state's commits",
+                          lambda w, _lease: w.state(commits, generation))
 
     def finish(self, success: bool = True, reason: str = "",
                timeout_s: float = FINISH_TIMEOUT_S) -> bool:
@@ -420,7 +450,7 @@ class Coordinator:
             timeout = _TICK_S if wake_at is None else max(0.0, min(_TICK_S, wake_at - time.monotonic()))
             version = self.view.wait_change(
                 version, timeout, until=lambda seen=deaths_seen: self._stop.is_set()
-                or self._lost_lease.is_set()
+                or self._rejoin_due()
                 or self.deaths.version != seen)  # a death confirmed: decide at once
             deaths_seen = self.deaths.version
             if self._stop.is_set():
@@ -486,16 +516,30 @@ class Coordinator:
         (self._alive_acked if alive else self._acked).add(n)
 
     def _rejoin(self) -> None:
-        old = self.member_id
+        """Act on a lost lease: end the registration (once), then register anew when the
+        gate (:meth:`hold_rejoin`) lets us."""
         if self._session is not None:
-            self._session.close(revoke=True)  # the key may still exist if we merely stalled
-        if not self.auto_rejoin:
-            raise LeaseLost(f"member {old} lost its lease")
-        self._acked.clear()
-        self._alive_acked.clear()
+            self._end_registration()
+        if not self._may_register():
+            return  # woken again by the view when the training side leaves its group
+        old = self.member_id
         self._register()
         self.stats["rejoins"] += 1
         log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
+
+    def _end_registration(self) -> None:
+        with self._lock:
+            session, self._session = self._session, None
+            self.incarnation += 1  # the training side stops using the old groups (LEASE_LOST)
+        assert session is not None
+        session.close(revoke=True)  # the key may still exist if we merely stalled
+        self._acked.clear()
+        self._alive_acked.clear()
+        if not self.auto_rejoin:
+            raise LeaseLost(f"member {self.member_id} lost its lease")
+        if not self._may_register():
+            log.warning("member %s lost its lease; it registers again once its training thread "
+                        "has left the process group it was in", self.member_id)
 
     def record_event(self, kind: str, detail: str = "", member_id: str | None = None,
                      generation: int | None = None, timings: Mapping[str, float] | None = None,

@@ -50,7 +50,7 @@ class StopCause(enum.Enum):
     """Why a group (or this peer's participation) must stop, most severe first."""
 
     FATAL = "fatal"  # the coordinator failed for good (its ``error``)
-    LEASE_LOST = "lease_lost"  # this peer re-registered since the group formed
+    LEASE_LOST = "lease_lost"  # this peer lost its registration since the group formed
     JOB_DONE = "job_done"  # the run's ``done`` record exists
     LEFT = "left"  # this peer was drained and the newest roster no longer lists it
     PEER_LOST = "peer_lost"  # a roster member's key is gone (its lease ended)

@@ -183,6 +183,7 @@ class GroupManager:
             (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
         self._next_stall_probe = 0.0  # time.monotonic(); under _lock
         self._stall_probe: threading.Thread | None = None
+        coordinator.hold_rejoin(self.left_lost_registration)
 
     def destroy(self) -> None:
         """Tear down the current group (if any). Safe after a failed collective or init."""
@@ -214,6 +215,7 @@ class GroupManager:
         """Destroy the current group and let go of every destroyed one (the peer is done
         with groups); waits at most ``wait_s`` for their collectives in flight to end."""
         self.destroy()
+        self.coordinator.hold_rejoin(None)
         self._reach.close()
         self._retired.release(wait_s)
         restore_default_timeouts(self._torch_defaults)
@@ -331,6 +333,18 @@ class GroupManager:
         """How long a member may stay silent before it counts as lost."""
         return float(self.coordinator.config.join_timeout_s or 1.0)
 
+    def left_lost_registration(self) -> bool:
+        """Whether this peer is in no group formed under a registration it has lost.
+
+        The coordinator registers again after a lost lease only then. A training thread can
+        stay in the old group's collective long after the others dropped this peer (gloo
+        never wakes a send queued on a connection cut meanwhile: it waits out its group's
+        timeout), and listed again meanwhile, this peer would make the others wait for it
+        in their next rendezvous. Reads memory only; :meth:`destroy` wakes the view.
+        """
+        group = self.current
+        return group is None or group.incarnation == self.coordinator.incarnation
+
     # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
 
     def current_group(self) -> FormedGroup | None:
@@ -345,7 +359,7 @@ class GroupManager:
         """Why ``group`` can no longer complete a collective, or None while it can.
 
         A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
-        did this peer if it re-registered since the group formed.
+        did this peer if it lost its registration since the group formed.
         """
         if group.assignment.size <= 1:
             return None  # alone: no collective can wait on anyone

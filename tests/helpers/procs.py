@@ -21,6 +21,7 @@ class PeerProc:
     def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
         self.name = name
         self.lines: list[str] = []
+        self.arrived: list[float] = []  # time.monotonic() when each line was read
         self.cond = threading.Condition()
         self.proc = subprocess.Popen(
             args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -33,6 +34,7 @@ class PeerProc:
         for line in self.proc.stdout:  # type: ignore[union-attr]
             with self.cond:
                 self.lines.append(line.rstrip("\n"))
+                self.arrived.append(time.monotonic())
                 self.cond.notify_all()
         with self.cond:
             self.cond.notify_all()
