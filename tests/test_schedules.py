@@ -82,7 +82,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         kinds.update([f"shape={(plan.peers, plan.min_np, plan.max_np)}"])
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
-                         f"ddp={plan.pattern.ddp}"])
+                         f"ddp={plan.pattern.ddp}", f"snapshots={plan.pattern.snapshots}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only"}
     want |= {f"shape={shape}" for shape in SHAPES}
@@ -90,7 +90,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         want.add("hang")
     assert want <= set(kinds), kinds
     assert {"record=batch", "record=indices", "record=local", "check=1", "commit=5",
-            "plain=True", "ddp=True"} <= set(patterns), patterns
+            "plain=True", "ddp=True", "snapshots=True"} <= set(patterns), patterns
 
 
 @pytest.mark.slow

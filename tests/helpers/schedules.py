@@ -6,7 +6,8 @@ run at most, ``min_np``, ``max_np``: :data:`SHAPES`, two peers to five), an API 
 worker records progress, how often it commits, whether it checks for host updates between
 commits, plain values in the state, DDP rebuilt in a reset callback, half of those over a
 subgroup, which the callback or the training function makes: the WORKER_* knobs of
-``tests/helpers/elastic_worker.py``) and then a sequence of events under a model of the job
+``tests/helpers/elastic_worker.py``; in a quarter of the plans, durable snapshots written
+while the events happen) and then a sequence of events under a model of the job
 (running peers, ``max_np``, ``min_np``, paused), so that no event takes the roster below
 ``min_np``. :class:`ScheduleRunner` extends :class:`tests.helpers.chaos.ChaosRunner` (which
 already applies kill, term, add, long SIGSTOP and etcd restarts, spaces events by waiting
@@ -99,6 +100,9 @@ class Pattern:
     # DDP reduces over a subgroup: "" none, "1" the reset callback makes it, "train" the
     # training function does.
     ddp_subgroup: str = ""
+    # Durable snapshots on (PEER_ELASTIC_SNAPSHOT_DIR in the run's work dir, every 0.5 s):
+    # rank 0 writes them in the background while the events happen.
+    snapshots: bool = False
 
     def env(self) -> dict[str, object]:
         return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
@@ -110,7 +114,8 @@ class Pattern:
                  "train": " (over a subgroup the training function makes)"}
         ddp = f"ddp={int(self.ddp)}" + where[self.ddp_subgroup]
         return (f"record={self.record} commit_every={self.commit_every} "
-                f"check_every={self.check_every} plain={int(self.plain)} {ddp}")
+                f"check_every={self.check_every} plain={int(self.plain)} {ddp}"
+                + (" snapshots=1" if self.snapshots else ""))
 
 
 def make_pattern(rng: random.Random) -> Pattern:
@@ -186,6 +191,10 @@ PEER_CUT_HOLD_S = (4.5, 16.0)
 SHAPES = ((4, 2, 3), (2, 1, 2), (3, 1, 2), (3, 2, 3), (4, 1, 4), (3, 1, 3), (5, 2, 4))
 #: The share of plans with the first shape.
 FIRST_SHAPE_SHARE = 0.4
+#: The share of plans with durable snapshots on (Pattern.snapshots).
+SNAPSHOT_SHARE = 0.25
+#: How often rank 0 writes a snapshot in those plans (PEER_ELASTIC_SNAPSHOT_EVERY).
+SNAPSHOT_EVERY_S = 0.5
 
 
 def draw_shape(seed: int) -> tuple[int, int, int]:
@@ -229,6 +238,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
         where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
         pattern = replace(pattern, ddp_subgroup=where)
+    if random.Random(f"{seed}/snapshots").random() < SNAPSHOT_SHARE:  # drawn apart
+        pattern = replace(pattern, snapshots=True)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
@@ -350,6 +361,9 @@ class ScheduleRunner(ChaosRunner):
         hd = hang_detection()
         if hd is not None:
             env[hd["env"]] = HANG_TIMEOUT_S
+        if plan.pattern.snapshots:  # the hosts of a multi-host run share the file system
+            env["PEER_ELASTIC_SNAPSHOT_DIR"] = self.workdir / "snapshots"
+            env["PEER_ELASTIC_SNAPSHOT_EVERY"] = SNAPSHOT_EVERY_S
         env.update(kwargs.pop("settings", {}))
         super().__init__(plan.seed, list(plan.events), etcd, job, peers=plan.peers,
                          min_np=plan.min_np, max_np=plan.max_np,
