@@ -43,12 +43,14 @@ class LostState:
     resumed_commits: int  # commits of the durable snapshot resumed from; 0: none
 
     def describe(self) -> str:
+        # The record is rewritten at most once a second: a lower bound, which a snapshot
+        # written since may pass.
         lost = (f"no peer of this group holds the run's training state: every peer that held "
-                f"it is gone (it had {self.commits} commits, the last in generation "
-                f"{self.generation}, rank 0 {self.holder})")
+                f"it is gone (it had at least {self.commits} commits, as recorded in "
+                f"generation {self.generation} by rank 0 {self.holder})")
         if self.resumed_commits:
             return (f"{lost}; resumed from the newest durable snapshot, at "
-                    f"{self.resumed_commits} commits")
+                    f"{self.resumed_commits} commits; the commits after it are redone")
         return (f"{lost}; training starts again from the state the training script built "
                 f"(set snapshot_dir to resume from durable snapshots instead)")
 

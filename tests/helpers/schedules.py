@@ -45,6 +45,8 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
                     detection (:func:`hang_detection`); the others must train again within
                     ``hang_timeout_s`` + 10 s.
 * ``etcd_member``/``etcd_all``  kill (or stop) and restart one / all etcd members.
+* ``restart``       (plans with durable snapshots only) SIGKILL every running peer at once and
+                    start as many again: they resume from the newest snapshot.
 
 The job is given a generous epoch cap and ended as soon as the schedule is done
 (``WORKER_END_FILE``); the oracle then checks exactly the epochs trained. Every message
@@ -56,6 +58,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -195,6 +198,8 @@ FIRST_SHAPE_SHARE = 0.4
 SNAPSHOT_SHARE = 0.25
 #: How often rank 0 writes a snapshot in those plans (PEER_ELASTIC_SNAPSHOT_EVERY).
 SNAPSHOT_EVERY_S = 0.5
+#: In those plans, the share of events (while not paused) that a whole-job restart follows.
+RESTART_SHARE = 0.12
 
 
 def draw_shape(seed: int) -> tuple[int, int, int]:
@@ -235,6 +240,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     # Which long stops cut a host from its peers only (SEvent.peers_only): drawn apart too.
     peer_cuts = random.Random(f"{seed}/peercut")
     pattern = make_pattern(rng)
+    # Where a whole-job restart follows an event (snapshot plans only): drawn apart too.
+    restarts = random.Random(f"{seed}/restart")
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
         where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
         pattern = replace(pattern, ddp_subgroup=where)
@@ -308,6 +315,10 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
             emit("resume")
         else:  # stop, stop_short, etcd_*: nobody is gone afterwards
             emit(kind)
+        if pattern.snapshots and not paused and len(out) < n_events \
+                and restarts.random() < RESTART_SHARE:
+            # Drawn apart, with a gap of its own: the plan's other draws stay as they were.
+            out.append(SEvent(len(out), "restart", gap_s=round(restarts.uniform(0.0, 1.0), 2)))
     if out[-1].burst:  # nothing follows to land mid-reset
         out[-1] = replace(out[-1], burst=False)
     if paused:
@@ -512,6 +523,24 @@ class ScheduleRunner(ChaosRunner):
             self.problems.append(f"{ev.describe()}: the others stepped again only {first:.1f}s "
                                  f"after the hang, over hang_timeout_s + 10 s = {bound:.0f}s")
         self.wait_progress(ev.describe())
+
+    def _do_restart(self, ev: Event, a: Applied) -> None:
+        """Every running peer SIGKILLed at once (a preemption of the whole job), then as
+        many started again: the group they form holds no state and resumes from the newest
+        durable snapshot (plans with ``Pattern.snapshots`` only)."""
+        gone = self.running()
+        g0 = self.max_gen
+        for p in gone:
+            p.state = "killed"
+            p.proc.signal(signal.SIGKILL)
+        for p in gone:
+            p.proc.proc.wait(timeout=30)
+        a.target, a.role = f"all {len(gone)} running peers", "everyone"
+        for _ in gone:
+            self.spawn()
+        self.wait_for("the restarted peers to register", lambda: all(
+            p.joined_at is not None for p in self.running()), timeout=120)
+        self.wait_progress(ev.describe(), above_gen=g0)
 
     # -- the end ----------------------------------------------------------------------------------
 
