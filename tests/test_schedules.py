@@ -67,6 +67,8 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
             assert e.hold_s < 1.5  # under the join timeout
         if e.kind == "hang":
             assert hang_detection() is not None
+        if e.kind == "restart":  # only where there is a snapshot to resume from
+            assert plan.pattern.snapshots and not paused, (seed, e)
     assert (mx, mn, paused) == (plan.max_np, plan.min_np, False)
 
 
@@ -84,7 +86,8 @@ def test_plans_cover_every_kind_and_pattern() -> None:
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
                          f"ddp={plan.pattern.ddp}", f"snapshots={plan.pattern.snapshots}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
-            "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only"}
+            "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only",
+            "restart"}
     want |= {f"shape={shape}" for shape in SHAPES}
     if hang_detection() is not None:
         want.add("hang")
