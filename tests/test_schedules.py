@@ -65,6 +65,8 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
             assert e.hold_s > 3.0 + 1.0  # past the join timeout and the lease TTL
         if e.kind == "stop_short":
             assert e.hold_s < 1.5  # under the join timeout
+        if e.kind == "stop_mid":
+            assert 1.5 < e.hold_s < 3.0  # past the join timeout, under the lease TTL
         if e.kind == "hang":
             assert hang_detection() is not None
         if e.kind == "restart":  # only where there is a snapshot to resume from
@@ -87,7 +89,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
                          f"ddp={plan.pattern.ddp}", f"snapshots={plan.pattern.snapshots}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only",
-            "restart"}
+            "restart", "stop_mid"}
     want |= {f"shape={shape}" for shape in SHAPES}
     if hang_detection() is not None:
         want.add("hang")

@@ -28,6 +28,9 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
 * ``set_min``       ``peer-elastic set min_np=<value>``.
 * ``pause``/``resume``  ``peer-elastic pause`` / ``resume`` (joiners wait while paused).
 * ``stop_short``    SIGSTOP shorter than ``join_timeout_s``, then SIGCONT (nobody is dropped).
+* ``stop_mid``      SIGSTOP longer than ``join_timeout_s`` but shorter than the lease TTL: the
+                    peer keeps its lease, but misses the acks of a generation formed meanwhile
+                    (and is dropped from it); drawn apart, in place of a share of the short ones.
 * ``stop``          SIGSTOP longer than ``join_timeout_s`` and the lease TTL, then SIGCONT
                     (the peer loses its lease and comes back as a new member).
                     On several hosts (``hosts=``: every peer on one of them, round robin) a
@@ -135,7 +138,7 @@ class SEvent(Event):
     value: int = 0  # set_max / set_min: the new value; train: STEP positions to wait for
     target: str = ""  # kill/term: "leader" (rank 0 of the newest generation), "other" (a
     #                   roster member that is not rank 0) or "" (any running peer)
-    whole_host: bool = False  # stop/stop_short on several hosts: cut the peer's host off
+    whole_host: bool = False  # stop/stop_short/stop_mid on several hosts: cut the peer's host off
     #                   with every peer on it, where enough peers run elsewhere (a partition)
     peers_only: bool = False  # stop on several hosts, where it cuts a host: from the other
     #                   hosts only, not from etcd (the peers there keep their leases)
@@ -146,8 +149,8 @@ class SEvent(Event):
         host = " (its whole host, where several hosts)" if self.whole_host else ""
         if self.peers_only:
             host += " (from its peers only, where a host is cut)"
-        if self.kind == "stop_short":
-            return f"#{self.index} stop_short for {self.hold_s:.1f}s{host}"
+        if self.kind in ("stop_short", "stop_mid"):
+            return f"#{self.index} {self.kind} for {self.hold_s:.1f}s{host}"
         if self.kind == "stop":
             return super()._describe() + host
         if self.kind == "train":
@@ -184,6 +187,10 @@ WHOLE_HOST_SHARE = 0.5
 #: The share of long stops whose host cut spares etcd (a data network cut), and how long.
 PEER_CUT_SHARE = 0.5
 PEER_CUT_HOLD_S = (4.5, 16.0)
+#: The share of short stops that last past the join timeout but not the lease TTL, and how
+#: long (stop_mid).
+MID_STOP_SHARE = 0.35
+MID_STOP_HOLD_S = (1.1 * JOIN_TIMEOUT_S, 0.9 * LEASE_TTL_S)
 
 
 #: Job shapes, ``(peers, min_np, max_np)``: ``peers`` is the most running at once (the rest
@@ -240,6 +247,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     # Which long stops cut a host from its peers only (SEvent.peers_only): drawn apart too.
     peer_cuts = random.Random(f"{seed}/peercut")
     pattern = make_pattern(rng)
+    # Which short stops last beyond the join timeout (stop_mid): drawn apart too.
+    mids = random.Random(f"{seed}/stopmid")
     # Where a whole-job restart follows an event (snapshot plans only): drawn apart too.
     restarts = random.Random(f"{seed}/restart")
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
@@ -271,6 +280,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         if kind == "stop" and peer_cuts.random() < PEER_CUT_SHARE:
             kw["peers_only"] = True
             hold = peer_cuts.uniform(*PEER_CUT_HOLD_S)
+        if kind == "stop_short" and mids.random() < MID_STOP_SHARE:
+            kind, hold = "stop_mid", mids.uniform(*MID_STOP_HOLD_S)
         out.append(SEvent(len(out), kind, pick, round(hold, 2), hard, gap, burst, **kw))
 
     def can_lose_one() -> bool:
@@ -496,6 +507,9 @@ class ScheduleRunner(ChaosRunner):
         self.wait_progress(ev.describe())
         a.detail = (f"{how}, back after {ev.hold_s:.1f}s (join timeout {JOIN_TIMEOUT_S}s); "
                     f"generation {g0} -> {self.max_gen}, re-registered {len(p.members) > regs}")
+
+    def _do_stop_mid(self, ev: Event, a: Applied) -> None:
+        self._do_stop_short(ev, a)  # only the hold differs (make_plan draws it)
 
     def _do_hang(self, ev: Event, a: Applied) -> None:
         self.wait_for("a roster peer to hang", lambda: any(
