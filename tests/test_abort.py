@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
-from tests.helpers.procs import Cluster, PeerProc, results
+from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once
 
 
 @pytest.fixture
@@ -233,10 +233,7 @@ def stop_one_until_the_others_reform(cluster: Cluster, victim: int) -> str:
     seen = len(watcher.lines)
     peers[victim].signal(signal.SIGCONT)
     watcher.wait_line("GEN", after=seen, timeout=120)
-    for p in peers:
-        assert p.wait(240) == 0, p.output()
-    found = results(peers)
-    assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    assert_exactly_once(peers)
     return line
 
 
@@ -317,10 +314,7 @@ def test_a_peer_woken_past_its_lease_is_not_listed_while_its_training_thread_is_
                   f"in its steps meanwhile {gap:.1f} s")
             assert gap < 5.0, f"{p.name} waited {gap:.1f} s for the woken peer"
         assert back > 5.0, "the slow batch was meant to outlast the wake by seconds"
-        for p in peers:
-            assert p.wait(240) == 0, p.output()
-        found = results(peers)
-        assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+        assert_exactly_once(peers)
     finally:
         cluster.close()
 

@@ -27,7 +27,7 @@ from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.records import MemberRecord, decode
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Host, Hosts, hosts_or_skip
-from tests.helpers.procs import PeerProc, results
+from tests.helpers.procs import PeerProc, assert_exactly_once, results
 from tests.test_partition import gens, wait_gen, wait_joined, wait_steps
 
 pytestmark = pytest.mark.slow
@@ -232,10 +232,7 @@ def test_ipv6_hosts_and_a_peer_at_an_unreachable_address_is_named(
 
             with open(end_file, "w"):
                 pass
-            for p in (a, b):
-                assert p.wait(120) == 0, p.output()
-            found = results([a, b])
-            assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+            assert_exactly_once([a, b], timeout=120)
             print(f"multi-host IPv6: misconfigured peer named in {t_named:.1f} s, "
                   f"done after {time.monotonic() - t0:.1f} s")
         finally:

@@ -32,7 +32,7 @@ from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.testing import EtcdCluster, EtcdTestServer
 from tests.helpers.hosts import hosts_or_skip
 from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
-from tests.helpers.procs import Cluster, PeerProc, results
+from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once
 
 pytestmark = pytest.mark.slow
 
@@ -233,12 +233,8 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
 
     # 4. The job finishes: every sample once, every rank identical, no process left behind.
     Path(cluster.env["WORKER_END_FILE"]).touch()
-    for p in (a, b, c):
-        assert p.wait(180) == 0, p.output()
-    found = results([a, b, c])
-    assert len(found) == 1, found
-    assert found[0]["exact"] and found[0]["identical"], found[0]
-    assert found[0]["world"] == 3, found[0]
+    result = assert_exactly_once([a, b, c], timeout=180)
+    assert result["world"] == 3, result
     assert netns.pids() == [], "processes left inside the namespace"
     print(f"partition ({cut} cut, {netns.cut_mode}): world of 3 after {t_cut - t0:.1f} s, "
           f"cut -> world of 2 in {t_reformed - t_cut:.1f} s, heal -> world of 3 in "
@@ -305,10 +301,7 @@ def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
             for p, after in zip(peers, seen, strict=True):
                 wait_gen(p, 3, after=after, timeout=90)
             end.touch()
-            for p in peers:
-                assert p.wait(180) == 0, p.output()
-            found = results(peers)
-            assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+            assert_exactly_once(peers, timeout=180)
         finally:
             c.close()
             etcd.stop()

@@ -111,6 +111,23 @@ def test_paused_job_forms_nothing() -> None:
     assert isinstance(plan_next_generation(snap(["a-1"]), c, set(), 100), Wait)
 
 
+def test_a_paused_job_lets_newcomers_in_only_up_to_min_np() -> None:
+    # Its only member's lease lapsed while paused; it came back as b-2: without it the job
+    # could not train until resumed (or would fail at the elastic timeout).
+    c = cfg(min_np=1)
+    c.paused = True
+    p = plan_next_generation(snap(["b-2", "c-1"], gen=(5, [])), c, set(), 100)
+    assert isinstance(p, GenerationPlan) and p.roster == ("b-2",) and p.joined == ("b-2",)
+    # At min_np, nobody more: the roster stays frozen against growth.
+    s = snap(["a-1", "c-1"], gen=(5, ["a-1"]))
+    assert isinstance(plan_next_generation(s, c, set(), 100), Wait)
+    c2 = cfg(min_np=2)
+    c2.paused = True
+    s = snap(["a-1", "b-2", "c-1"], gen=(5, ["a-1"]))
+    p = plan_next_generation(s, c2, set(), 100)
+    assert isinstance(p, GenerationPlan) and p.roster == ("a-1", "b-2")
+
+
 def test_silence_is_not_counted_while_etcd_was_disrupted() -> None:
     s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1"])
     # Seen at 90, now 100: b is silent, unless etcd was disrupted (an election, a failing

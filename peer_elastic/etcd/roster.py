@@ -107,8 +107,13 @@ def plan_next_generation(
     eligible_set = set(eligible)
     survivors = [m for m in prev if m in eligible_set]
     # Paused: the roster is frozen against joins (they wait as standbys), but departures,
-    # crashes and broken generations are still handled so training can go on.
-    newcomers = [] if cfg.paused else [m for m in eligible if m not in set(survivors)]
+    # crashes and broken generations are still handled so training can go on. Only so many
+    # newcomers as keep the roster at min_np are let in: a member whose lease lapsed (a stall,
+    # a blip of its network) comes back as a newcomer, and a paused job whose members all
+    # did so would otherwise stop until resumed, or fail at the elastic timeout.
+    newcomers = [m for m in eligible if m not in set(survivors)]
+    if cfg.paused:
+        newcomers = newcomers[:max(0, cfg.min_np - len(survivors))]
     wanted = (survivors + newcomers)[: cfg.max_np or None]
     roster = tuple(_fit(wanted, roster_budget))
     capped = len(wanted) - len(roster)

@@ -94,6 +94,16 @@ def results(peers: list[PeerProc]) -> list[dict]:
     return out
 
 
+def assert_exactly_once(peers: list[PeerProc], timeout: float = 240) -> dict:
+    """Every peer exits 0 (each within ``timeout``), and the job's one RESULT says every
+    sample was trained exactly once on bit-identical ranks. Returns that RESULT."""
+    for p in peers:
+        assert p.wait(timeout) == 0, p.output()
+    found = results(peers)
+    assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    return found[0]
+
+
 class Cluster:
     """Elastic-worker peers of one job; all killed in ``close``."""
 
