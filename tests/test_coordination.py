@@ -400,6 +400,19 @@ def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_op
     assert b.stats["rejoins"] == 1 and b.incarnation == incarnation + 1
 
 
+def test_a_paused_job_takes_back_its_only_member_after_its_lease_lapsed(peers: Peers) -> None:
+    # Paused, the roster is frozen against joins; but the member comes back as a newcomer,
+    # and without it the job has nobody to train (it would wait for a resume, or fail).
+    (a,) = peers.start(1, min_np=1)
+    wait_gen([a], lambda g: len(g.roster) == 1)
+    update_config(a.client, peers.job, {"paused": True})
+    a.view.wait_for(lambda s: s.run is not None and s.run.config.paused, 10)
+    old = a.member_id
+    a.client.revoke(a.lease_id)  # as if it had stalled past its TTL
+    gen, _ = wait_gen([a], lambda g: a.member_id != old and list(g.roster) == [a.member_id])
+    assert a.snapshot().run.config.paused  # still paused: only min_np was let in
+
+
 def test_blacklist_excludes_a_failing_host_for_its_cooldown(peers: Peers) -> None:
     settings = dict(min_np=1, blacklist_after=1, blacklist_cooldown_s=3)
     (a,) = peers.start(1, host="good", **settings)
