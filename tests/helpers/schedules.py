@@ -29,8 +29,10 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
 * ``pause``/``resume``  ``peer-elastic pause`` / ``resume`` (joiners wait while paused).
 * ``stop_short``    SIGSTOP shorter than ``join_timeout_s``, then SIGCONT (nobody is dropped).
 * ``stop_mid``      SIGSTOP longer than ``join_timeout_s`` but shorter than the lease TTL: the
-                    peer keeps its lease, but misses the acks of a generation formed meanwhile
-                    (and is dropped from it); drawn apart, in place of a share of the short ones.
+                    peer misses the acks of a generation formed meanwhile (and is dropped from
+                    it). It keeps its lease unless the stop outlasts what the last refresh left
+                    (a refresh every TTL/3): then it rejoins as after a ``stop``, paused or not.
+                    Drawn apart, in place of a share of the short stops.
 * ``stop``          SIGSTOP longer than ``join_timeout_s`` and the lease TTL, then SIGCONT
                     (the peer loses its lease and comes back as a new member).
                     On several hosts (``hosts=``: every peer on one of them, round robin) a
