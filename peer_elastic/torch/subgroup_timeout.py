@@ -6,8 +6,9 @@ whose collective in such a group cannot end any other way waits that long. One c
 certain to happen: a peer frozen (SIGSTOP, swapping) past its lease wakes with a send that
 gloo had queued on a connection the others have since shut down. gloo ends the pair's other
 waits on the error, but not that send (``Pair::signalException`` skips queued unbound-buffer
-sends), so it waits out its group's timeout, and the others wait for that peer in the next
-generation's rendezvous.
+sends), so it waits out its group's timeout before that peer can rejoin (the others train on
+meanwhile: it registers again only once it has left the old group,
+``GroupManager.left_lost_registration``).
 
 So while a :class:`~peer_elastic.torch.group.GroupManager` exists, torch's default for new
 groups is the job's ``collective_timeout_s``, the timeout of every group peer-elastic forms
