@@ -272,3 +272,38 @@ def test_reports_in_etcd_take_a_member_out_and_their_withdrawal_brings_it_back(
         for coord, client in made:
             coord.close()
             client.close()
+
+
+def test_closing_a_reporter_in_etcd_erases_its_record_or_leaves_it_to_the_lease(
+        etcd: str, unique_job: str) -> None:
+    # The two closes of the fake-etcd tests above, on a real etcd with real coordinators.
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    fast = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0,
+                       min_np=1)
+    made: list[tuple[Coordinator, EtcdClient]] = []
+    try:
+        for _ in range(3):
+            client = EtcdClient(etcd)
+            made.append((Coordinator(client, unique_job, fast).start(), client))
+        a, b, c = (coord for coord, _ in made)
+        n = a.snapshot().generation_number
+        reporters = {k.member_id: ReachReporter(
+            lambda ms, g, k=k: k.report_unreachable(ms, g), k.clear_unreachable,
+            lambda member: "no answer", reprobe_s=60.0) for k in (a, b)}
+        for rep in reporters.values():
+            rep.report(n, [c.member_id])
+        both = a.view.wait_for(lambda s: set(s.unreachable) == {a.member_id, b.member_id}, 10)
+        assert both is not None, a.snapshot().unreachable
+        reporters[a.member_id].close()  # erases a's record at once
+        assert a.view.wait_for(lambda s: set(s.unreachable) == {b.member_id}, 10) is not None
+        reporters[b.member_id].close(erase=False)  # b's record stays while b's lease lives
+        assert a.snapshot().unreachable.keys() == {b.member_id}
+        b.close()  # its lease revoked: the record goes with it
+        assert a.view.wait_for(lambda s: not s.unreachable, 10) is not None
+    finally:
+        for coord, client in made:
+            coord.close()
+            client.close()
