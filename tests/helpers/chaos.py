@@ -778,8 +778,10 @@ class ChaosRunner:
         while any(p.proc.proc.poll() is None for p in self.peers):
             self.check()
             if time.monotonic() > deadline:
+                alive = [p for p in self.peers if p.proc.proc.poll() is None]
                 self.fail("peers still running 120s after the job finished: " + ", ".join(
-                    p.name for p in self.peers if p.proc.proc.poll() is None))
+                    p.name for p in alive) + "".join(
+                    f"\n{p.name}:{p.proc.dump_stacks()}" for p in alive))
             time.sleep(0.1)
         self.check()
         self.say(f"job finished: {self.results[-1][1]}")

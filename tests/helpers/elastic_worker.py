@@ -40,7 +40,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   <epoch> <batch> <generation>`` first.
 * ``WORKER_STACKS_AFTER_S=<seconds>``: every thread's stack is written to stderr once no
   batch began for that long (``faulthandler``: from its own thread, so it works even when a
-  native call holds the GIL); for catching a peer that falls silent in a soak.
+  native call holds the GIL); for catching a peer that falls silent in a soak. ``SIGUSR1``
+  writes them at any time (a test that gives up waiting for the peer sends it).
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
 
@@ -62,6 +63,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -197,6 +199,8 @@ def end_requested() -> bool:
 
 
 def main() -> int:
+    # A test that gives up waiting for this peer asks where it is (procs.PeerProc.dump_stacks).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
     with pe.join() as peer:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,

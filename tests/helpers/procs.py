@@ -13,13 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = "tests.helpers.elastic_worker"  # answers SIGUSR1 with its threads' stacks
 
 
 class PeerProc:
     """One subprocess whose stdout lines are collected by a thread."""
 
-    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], name: str,
+                 stacks_signal: int | None = None) -> None:
         self.name = name
+        # A signal the process answers by writing every thread's stack (faulthandler), sent
+        # when it does not exit in time, so the failure says where it hangs.
+        self.stacks_signal = stacks_signal
         self.lines: list[str] = []
         self.arrived: list[float] = []  # time.monotonic() when each line was read
         self.cond = threading.Condition()
@@ -69,7 +74,23 @@ class PeerProc:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit in {timeout} s:\n{self.output()}") from None
+            before = self.output()
+            raise AssertionError(f"{self.name} did not exit in {timeout} s:\n{before}"
+                                 f"{self.dump_stacks()}") from None
+
+    def dump_stacks(self, settle_s: float = 3.0) -> str:
+        """Every thread's stack, as the process writes it on ``stacks_signal`` ("" without
+        one): the lines that arrived within ``settle_s`` of asking, unabridged."""
+        if self.stacks_signal is None or self.proc.poll() is not None:
+            return ""
+        with self.cond:
+            start = len(self.lines)
+        os.kill(self.proc.pid, self.stacks_signal)
+        deadline = time.monotonic() + settle_s
+        with self.cond:
+            while time.monotonic() < deadline:
+                self.cond.wait(deadline - time.monotonic())
+            return "\n--- stacks:\n" + "\n".join(self.lines[start:])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -94,11 +115,21 @@ def results(peers: list[PeerProc]) -> list[dict]:
     return out
 
 
+def others_output(peers: list[PeerProc], but: PeerProc, tail: int = 4000) -> str:
+    """The end of every other peer's output, for a failure message."""
+    return "\n".join(f"--- {p.name} (exit {p.proc.poll()})\n{p.output()[-tail:]}"
+                     for p in peers if p is not but)
+
+
 def assert_exactly_once(peers: list[PeerProc], timeout: float = 240) -> dict:
     """Every peer exits 0 (each within ``timeout``), and the job's one RESULT says every
     sample was trained exactly once on bit-identical ranks. Returns that RESULT."""
     for p in peers:
-        assert p.wait(timeout) == 0, p.output()
+        try:
+            code = p.wait(timeout)
+        except AssertionError as exc:  # the cause is often in another peer's output
+            raise AssertionError(f"{exc}\n{others_output(peers, p)}") from None
+        assert code == 0, f"{p.name} exited {code}:\n{p.output()}\n{others_output(peers, p)}"
     found = results(peers)
     assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
     return found[0]
@@ -115,7 +146,7 @@ class Cluster:
             self.env[k] = str(v)
         self.peers: list[PeerProc] = []
 
-    def start(self, n: int = 1, module: str = "tests.helpers.elastic_worker",
+    def start(self, n: int = 1, module: str = WORKER,
               wrap: Callable[[list[str]], list[str]] | None = None, where: str = "",
               **extra_env: object) -> list[PeerProc]:
         """Start ``n`` peers; ``wrap`` turns the command into one run elsewhere (another
@@ -125,7 +156,8 @@ class Cluster:
             env = dict(self.env, **{k: str(v) for k, v in extra_env.items()})
             argv = [sys.executable, "-m", module]
             p = PeerProc(argv if wrap is None else wrap(argv), env,
-                         f"peer{len(self.peers)}{'@' + where if where else ''}")
+                         f"peer{len(self.peers)}{'@' + where if where else ''}",
+                         stacks_signal=signal.SIGUSR1 if module == WORKER else None)
             self.peers.append(p)
             out.append(p)
         return out
