@@ -35,6 +35,7 @@ from tests.helpers.chaos import (
     run_chaos,
     seed_from_env,
 )
+from tests.helpers.procs import Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +83,20 @@ def test_chaos_exactly_once(etcd_cluster: EtcdCluster, unique_job: str, tmp_path
     assert len(runner.applied) >= N_EVENTS, f"{tag}: {len(runner.applied)} applied"
     applied = Counter(a.event.kind for a in runner.applied)
     assert all(applied[k] >= MIN_EACH for k in KINDS), f"{tag}: {applied}"
+
+
+def test_a_peer_that_does_not_exit_in_time_is_reported_with_its_stacks(unique_job: str) -> None:
+    # The harness's own diagnosis (tests/helpers/procs.py): a test that gives up on a silent
+    # peer says where each of its threads is, not only what it printed.
+    cluster = Cluster("127.0.0.1:9", unique_job, PEER_ELASTIC_LOG_LEVEL="INFO")
+    try:
+        (p,) = cluster.start(1)  # nothing answers at that address: join() keeps retrying
+        p.wait_line("", timeout=60)  # main() runs, so its SIGUSR1 handler is in place
+        with pytest.raises(AssertionError) as failure:
+            p.wait(timeout=0.5)
+        report = str(failure.value)
+        assert "did not exit in 0.5 s" in report and "--- stacks:" in report, report
+        assert "Current thread" in report and "elastic_worker.py" in report, report
+        assert p.proc.poll() is None  # asked, not killed
+    finally:
+        cluster.close()

@@ -352,14 +352,19 @@ class ChaosRunner:
     def history(self) -> str:
         return "\n".join(a.line() for a in self.applied) or "(no event applied)"
 
-    def fail(self, msg: str, peers: Iterable[Tracked] | None = None, lines: int = 60) -> NoReturn:
+    def fail(self, msg: str, peers: Iterable[Tracked] | None = None, lines: int = 60,
+             stacks: bool = False) -> NoReturn:
+        """Raise ChaosFailure with the history and the shown peers' output; with ``stacks``
+        (a wait that timed out), the stacks of those still alive too."""
         shown = list(self.peers if peers is None else peers)
         parts = [f"{self.tag()}: {msg}", "events applied:", self.history()]
         for p in shown:
-            tail = p.tail(lines)
+            tail = p.tail(lines)  # before the stacks, which arrive as output lines
             parts.append(f"--- {p.name} (pid {p.pid}, {p.state}, rc {p.proc.proc.poll()}, "
                          f"members {p.members}) last {len(tail)} lines but STEP:")
             parts.extend(tail)
+            if stacks:
+                parts.append(p.proc.dump_stacks())
         raise ChaosFailure("\n".join(parts))
 
     # -- peers ---------------------------------------------------------------------------------
@@ -478,7 +483,7 @@ class ChaosRunner:
                 return False
             if time.monotonic() > deadline:
                 self.fail(f"timed out after {timeout or self.progress_timeout_s:.0f}s "
-                          f"waiting for {what}", peers)
+                          f"waiting for {what}", peers, stacks=True)
             time.sleep(0.1)
 
     def settled(self) -> bool:
@@ -778,10 +783,8 @@ class ChaosRunner:
         while any(p.proc.proc.poll() is None for p in self.peers):
             self.check()
             if time.monotonic() > deadline:
-                alive = [p for p in self.peers if p.proc.proc.poll() is None]
                 self.fail("peers still running 120s after the job finished: " + ", ".join(
-                    p.name for p in alive) + "".join(
-                    f"\n{p.name}:{p.proc.dump_stacks()}" for p in alive))
+                    p.name for p in self.peers if p.proc.proc.poll() is None), stacks=True)
             time.sleep(0.1)
         self.check()
         self.say(f"job finished: {self.results[-1][1]}")
