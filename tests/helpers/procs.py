@@ -78,18 +78,22 @@ class PeerProc:
             raise AssertionError(f"{self.name} did not exit in {timeout} s:\n{before}"
                                  f"{self.dump_stacks()}") from None
 
-    def dump_stacks(self, settle_s: float = 3.0) -> str:
+    def dump_stacks(self, wait_s: float = 5.0, quiet_s: float = 0.5) -> str:
         """Every thread's stack, as the process writes it on ``stacks_signal`` ("" without
-        one): the lines that arrived within ``settle_s`` of asking, unabridged."""
+        one): the lines that arrived after asking, unabridged, until none came for
+        ``quiet_s`` (faulthandler writes them at once) or ``wait_s`` passed."""
         if self.stacks_signal is None or self.proc.poll() is not None:
             return ""
         with self.cond:
             start = len(self.lines)
         os.kill(self.proc.pid, self.stacks_signal)
-        deadline = time.monotonic() + settle_s
+        deadline = time.monotonic() + wait_s
         with self.cond:
-            while time.monotonic() < deadline:
-                self.cond.wait(deadline - time.monotonic())
+            while (left := deadline - time.monotonic()) > 0:
+                seen = len(self.lines)
+                self.cond.wait(min(quiet_s, left))  # woken by each line the reader adds
+                if start < seen == len(self.lines):
+                    break  # lines came, then none for a while
             return "\n--- stacks:\n" + "\n".join(self.lines[start:])
 
     def kill(self) -> None:
