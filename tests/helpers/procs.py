@@ -86,7 +86,10 @@ class PeerProc:
             return ""
         with self.cond:
             start = len(self.lines)
-        os.kill(self.proc.pid, self.stacks_signal)
+        try:
+            os.kill(self.proc.pid, self.stacks_signal)
+        except ProcessLookupError:  # it exited meanwhile
+            return ""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while (left := deadline - time.monotonic()) > 0:
