@@ -13,7 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = "tests.helpers.elastic_worker"  # answers SIGUSR1 with its threads' stacks
+WORKER = "tests.helpers.elastic_worker"
+#: Test workers that answer SIGUSR1 with every thread's stack (faulthandler).
+STACKS_ON_SIGUSR1 = frozenset({WORKER, "tests.helpers.vote_worker"})
 
 
 class PeerProc:
@@ -164,7 +166,7 @@ class Cluster:
             argv = [sys.executable, "-m", module]
             p = PeerProc(argv if wrap is None else wrap(argv), env,
                          f"peer{len(self.peers)}{'@' + where if where else ''}",
-                         stacks_signal=signal.SIGUSR1 if module == WORKER else None)
+                         stacks_signal=signal.SIGUSR1 if module in STACKS_ON_SIGUSR1 else None)
             self.peers.append(p)
             out.append(p)
         return out

@@ -9,7 +9,9 @@ check's own exchange does, every P-th check, peer_elastic.torch.check_cadence), 
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,8 @@ PLAIN = os.environ.get("WORKER_PLAIN") == "1"
 
 
 def main() -> int:
+    # A test that gives up waiting for this peer asks where it is (procs.PeerProc.dump_stacks).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
