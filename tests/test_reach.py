@@ -7,14 +7,19 @@ is tests/test_partition.py::test_peer_cut_off_from_its_peers_but_not_etcd_is_lef
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
+from peer_elastic.config import JobSettings
 from peer_elastic.errors import RecordError
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.reach import ReachReporter, cut_off
 from peer_elastic.etcd.roster import plan_next_generation
 from peer_elastic.records import GenerationCause, ReachRecord, decode, encode
@@ -219,21 +224,28 @@ def test_the_roster_leaves_out_the_cut_off_member_and_says_why() -> None:
 # -- the same on a real etcd, with real coordinators (their leader writes the generations) --------
 
 
-def test_reports_in_etcd_take_a_member_out_and_their_withdrawal_brings_it_back(
-        etcd: str, unique_job: str) -> None:
-    from peer_elastic.config import JobSettings
-    from peer_elastic.etcd.admin import status_document
-    from peer_elastic.etcd.client import EtcdClient
-    from peer_elastic.etcd.coordinator import Coordinator
-
+@contextlib.contextmanager
+def three_coordinators(etcd: str, job: str, min_np: int) -> Iterator[list[Coordinator]]:
+    """Three started coordinators of ``job``, each on its own client; all closed after."""
     fast = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0,
-                       min_np=2)
+                       min_np=min_np)
     made: list[tuple[Coordinator, EtcdClient]] = []
     try:
         for _ in range(3):
             client = EtcdClient(etcd)
-            made.append((Coordinator(client, unique_job, fast).start(), client))
-        a, b, c = (coord for coord, _ in made)
+            made.append((Coordinator(client, job, fast).start(), client))
+        yield [coord for coord, _ in made]
+    finally:
+        for coord, client in made:
+            coord.close()
+            client.close()
+
+
+def test_reports_in_etcd_take_a_member_out_and_their_withdrawal_brings_it_back(
+        etcd: str, unique_job: str) -> None:
+    from peer_elastic.etcd.admin import status_document
+
+    with three_coordinators(etcd, unique_job, min_np=2) as (a, b, c):
 
         def roster(size: int) -> tuple[str, ...]:
             snap = a.view.wait_for(lambda s: s.generation is not None
@@ -268,27 +280,12 @@ def test_reports_in_etcd_take_a_member_out_and_their_withdrawal_brings_it_back(
         assert not a.snapshot().unreachable
         for rep in reporters:
             rep.close()
-    finally:
-        for coord, client in made:
-            coord.close()
-            client.close()
 
 
 def test_closing_a_reporter_in_etcd_erases_its_record_or_leaves_it_to_the_lease(
         etcd: str, unique_job: str) -> None:
     # The two closes of the fake-etcd tests above, on a real etcd with real coordinators.
-    from peer_elastic.config import JobSettings
-    from peer_elastic.etcd.client import EtcdClient
-    from peer_elastic.etcd.coordinator import Coordinator
-
-    fast = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0,
-                       min_np=1)
-    made: list[tuple[Coordinator, EtcdClient]] = []
-    try:
-        for _ in range(3):
-            client = EtcdClient(etcd)
-            made.append((Coordinator(client, unique_job, fast).start(), client))
-        a, b, c = (coord for coord, _ in made)
+    with three_coordinators(etcd, unique_job, min_np=1) as (a, b, c):
         n = a.snapshot().generation_number
         reporters = {k.member_id: ReachReporter(
             lambda ms, g, k=k: k.report_unreachable(ms, g), k.clear_unreachable,
@@ -303,7 +300,3 @@ def test_closing_a_reporter_in_etcd_erases_its_record_or_leaves_it_to_the_lease(
         assert a.snapshot().unreachable.keys() == {b.member_id}
         b.close()  # its lease revoked: the record goes with it
         assert a.view.wait_for(lambda s: not s.unreachable, 10) is not None
-    finally:
-        for coord, client in made:
-            coord.close()
-            client.close()
