@@ -20,6 +20,7 @@ kept under the test's tmp_path (``chaos-<seed>/``). Schedule and runner: tests/h
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,8 @@ def test_a_peer_that_does_not_exit_in_time_is_reported_with_its_stacks(unique_jo
         report = str(failure.value)
         assert "did not exit in 0.5 s" in report and "--- stacks:" in report, report
         assert "Current thread" in report and "elastic_worker.py" in report, report
+        if shutil.which("gdb"):  # and the native ones, for a hang below Python (exit, C++)
+            assert f"--- native stacks of {p.pid}:" in report and "\nThread 1 " in report, report
         assert p.proc.poll() is None  # asked, not killed
     finally:
         cluster.close()

@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Host, Hosts, NetnsUnavailable
-from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.procs import Cluster, PeerProc, native_stacks
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
 EVENTS_ENV = "PEER_ELASTIC_CHAOS_EVENTS"
@@ -365,6 +365,7 @@ class ChaosRunner:
             parts.extend(tail)
             if stacks:
                 parts.append(p.proc.dump_stacks())
+                parts.append(native_stacks(p.pid))
         raise ChaosFailure("\n".join(parts))
 
     # -- peers ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,7 +79,7 @@ class PeerProc:
         except subprocess.TimeoutExpired:
             before = self.output()
             raise AssertionError(f"{self.name} did not exit in {timeout} s:\n{before}"
-                                 f"{self.dump_stacks()}") from None
+                                 f"{self.dump_stacks()}{native_stacks(self.proc.pid)}") from None
 
     def dump_stacks(self, wait_s: float = 5.0, quiet_s: float = 0.5) -> str:
         """Every thread's stack, as the process writes it on ``stacks_signal`` ("" without
@@ -112,6 +113,33 @@ class PeerProc:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def native_stacks(pid: int, timeout: float = 90.0) -> str:
+    """Every thread's native stack (gdb's ``thread apply all bt``), "" without gdb.
+
+    Why besides faulthandler's: a process hung in its interpreter's exit (after its last
+    Python frame) or inside a C++ destructor shows nothing useful in Python stacks; CI saw
+    peers print their result and then never exit."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:  # field 3 of /proc/PID/stat, after the parenthesised name
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""  # it exited meanwhile
+    if state in ("T", "t", "Z"):  # stopped (SIGSTOP, a test's pause) or a zombie: no attach
+        return f"\n--- native stacks of {pid}: not taken, its state is {state}"
+    try:
+        out = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off",
+             "-ex", "thread apply all bt"],
+            capture_output=True, text=True, timeout=timeout, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"\n--- native stacks of {pid}: gdb failed: {exc}"
+    # Only the threads' frames: gdb's loading chatter is hundreds of lines.
+    kept = [line for line in out.splitlines() if line.startswith(("Thread ", "#"))]
+    return f"\n--- native stacks of {pid}:\n" + "\n".join(kept)
 
 
 def results(peers: list[PeerProc]) -> list[dict]:
