@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from peer_elastic import logs, netaddr
+from peer_elastic import logs, netaddr, threads
 from peer_elastic import settings_table as env
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
@@ -41,12 +41,30 @@ R = TypeVar("R")
 #: Exit code of a peer whose job failed as a whole (reset limit, elastic timeout, a failed
 #: ``done`` record): restarting it cannot help. A crash of the peer itself exits otherwise.
 EXIT_JOB_FAILED = 4
+#: How long join()'s cleanup waits for the threads of the peer to end.
+THREADS_END_WAIT_S = 10.0
 
 #: Exit code of a peer whose training thread hung (``hang_timeout_s``): it fenced itself out
 #: of the job; restarted, it joins as a new member (defined in :mod:`peer_elastic.liveness`).
 __all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join", "run"]
 
 _active: Peer | None = None
+_open_joins = 0  # join() blocks of this process not yet cleaned up
+_open_joins_lock = threading.Lock()
+
+
+def _enter_open_joins() -> None:
+    global _open_joins
+    with _open_joins_lock:
+        _open_joins += 1
+
+
+def _leave_open_joins() -> int:
+    """One join() fewer; how many are still open."""
+    global _open_joins
+    with _open_joins_lock:
+        _open_joins -= 1
+        return _open_joins
 
 
 def connect(etcd: str | None = None) -> EtcdClient:
@@ -123,6 +141,7 @@ def join(
         raise
     peer: Peer | None = None
     previous_handler: Any = None
+    _enter_open_joins()
     try:
         coord.start()
         logs.set_context(member=coord.member_id)
@@ -152,6 +171,12 @@ def join(
         metrics.close()
         if probe is not None:
             probe.close()
+        # Last: no thread of this peer may still run when the process exits after join()
+        # (peer_elastic.threads). Each was asked to stop above; this only waits, and only
+        # when no other join() of this process is open (its threads run on, by design).
+        if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
+            log.warning("threads still running %.0f s after the peer closed (the process "
+                        "may abort or hang at exit): %s", THREADS_END_WAIT_S, ", ".join(left))
 
 
 if join.__doc__:  # None under python -OO
@@ -186,7 +211,7 @@ def _leave_on_signal(coord: Coordinator) -> Callable[[int, Any], None]:
         log.info("signal %d: leaving job %s gracefully", signum, coord.job)
         coord.drain_requested.set()
         # etcd I/O does not belong in a signal handler: do it from a thread.
-        threading.Thread(target=_request_leave, args=(coord,), daemon=True).start()
+        threads.start(_request_leave, "peer-elastic-leave", args=(coord,))
 
     return handler
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from peer_elastic import logs
+from peer_elastic import logs, threads
 from peer_elastic.agreement import Agreement, Claim, StateVersion
 from peer_elastic.durable.service import DurableSnapshots
 from peer_elastic.durable.writer import SnapshotInfo
@@ -561,8 +561,7 @@ class _Publisher:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._publish_loop, name="publisher", daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._publish_loop, "publisher")
         self._cv.notify()
 
     def _publish_loop(self) -> None:

@@ -61,6 +61,8 @@ from enum import Enum
 from types import FrameType
 from typing import IO, Any
 
+from peer_elastic import threads
+
 log = logging.getLogger(__name__)
 
 #: Exit status of a peer that fenced itself because its training thread hung. Not 4
@@ -338,8 +340,7 @@ class HangMonitor:
 
     def start(self) -> HangMonitor:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._monitor_loop, name="hang-monitor", daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._monitor_loop, "hang-monitor")
         return self
 
     def stop(self) -> None:

@@ -31,10 +31,10 @@ import ipaddress
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from peer_elastic import threads
 from peer_elastic.errors import ConfigError
 from peer_elastic.settings_table import NET_ADDR, NET_IFNAME
 
@@ -230,9 +230,7 @@ class ProbeListener:
         self.address = address
         self.port = int(self._sock.getsockname()[1])
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="peer-elastic-probe",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._serve, "peer-elastic-probe")
 
     def _serve(self) -> None:
         while not self._closed:
@@ -242,13 +240,16 @@ class ProbeListener:
                 return
             conn.close()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop listening; wait (bounded) for the thread, which must not outlive the peer
+        (peer_elastic.threads)."""
         self._closed = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()
         except OSError:
             pass
         self._sock.close()
+        self._thread.join(wait_s)
 
 
 def probe(address: str, port: int, timeout: float = 2.0, attempts: int = 2) -> str | None:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from peer_elastic import threads
 from peer_elastic.codec import encode_values
 from peer_elastic.durable.layout import PLAIN, Manifest, SnapshotDir, SnapshotId, write_atomic
 from peer_elastic.torch.snapshots import copy_all
@@ -176,9 +177,7 @@ class SnapshotWriter:
             self._skip_counted = False
             self._last = self._clock()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="snapshot-writer",
-                                                daemon=True)
-                self._thread.start()
+                self._thread = threads.start(self._loop, "snapshot-writer")
             self._cv.notify_all()
         return True
 

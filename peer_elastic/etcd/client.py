@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -206,6 +207,12 @@ class Txn:
 #: endpoints takes well under this) before the call fails with :class:`EtcdTLSError`.
 TLS_RETRY_S = 2.0
 
+#: How long :meth:`EtcdClient.close` waits for the threads of its watch streams to end.
+CLOSE_WAIT_S = 5.0
+#: What etcd3 (cslab-etcd3 0.12.1) names the thread of a ``Watcher``, with ``id(watcher)``;
+#: tests/test_exit.py checks that a client still finds its watch thread by it.
+_WATCH_THREAD_NAME = "etcd3_watch_%x"
+
 _TRANSIENT_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -370,6 +377,8 @@ class EtcdClient:
         self._raw = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
         self._auth_lock = threading.Lock()
         self._closed = False
+        self._watch_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._watch_threads_lock = threading.Lock()
         #: time.monotonic() of the last sign of etcd trouble: a transient failure of one of
         #: our requests, or a new raft term (a leader election) in a response header. While
         #: etcd is disrupted, other members' requests may stall for a full timeout.
@@ -660,11 +669,13 @@ class EtcdClient:
             stream = self._raw.leasestub.LeaseKeepAlive(
                 iter(reqs), self.timeout_s, credentials=self._raw.call_credentials,
                 metadata=self._raw.metadata)
+            # Read to the stream's end rather than cancel it once every answer is in: the
+            # request iterator is finite, so etcd ends the stream right after the last
+            # answer, and by then gRPC's thread sending the requests has finished. A
+            # cancelled stream leaves that thread winding down, maybe into the process's
+            # exit (peer_elastic.threads says why that must not happen).
             for resp in stream:
                 out[resp.ID] = resp.TTL
-                if len(out) == len(ids):
-                    stream.cancel()  # every answer is in; do not wait for the stream's end
-                    break
             if len(out) < len(ids):
                 raise etcd_exc.ConnectionFailedError()  # stream ended without every answer
             if stream_header := getattr(resp, "header", None):
@@ -735,11 +746,26 @@ class EtcdClient:
             on_events(events, resp.header.revision)
 
         def do() -> int:
-            return self._raw.add_watch_prefix_callback(
+            watch_id = self._raw.add_watch_prefix_callback(
                 prefix, callback, start_revision=start_revision, progress_notify=True
             )
+            self._note_watch_thread()
+            return watch_id
 
         return self._call(do, f"watch {prefix}", budget_s=self.timeout_s * 2)
+
+    def _note_watch_thread(self) -> None:
+        """Remember the thread etcd3 runs this client's watch stream on (named after its
+        ``Watcher``; a failover makes a new one), so that :meth:`close` can wait for it."""
+        name = _WATCH_THREAD_NAME % id(self._raw.watcher)
+        with self._watch_threads_lock:
+            self._watch_threads.update(t for t in threading.enumerate() if t.name == name)
+
+    @property
+    def watch_threads(self) -> list[threading.Thread]:
+        """The threads that ran this client's watch streams and still run."""
+        with self._watch_threads_lock:
+            return [t for t in self._watch_threads if t.is_alive()]
 
     def cancel_watch(self, watch_id: int) -> None:
         try:
@@ -749,7 +775,10 @@ class EtcdClient:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Close the connections; wait at most ``wait_s`` for the threads of the watch
+        streams to end (closing cancels their streams), so that none is still running
+        when the process exits (peer_elastic.threads says why that matters)."""
         if self._closed:
             return
         self._closed = True
@@ -757,6 +786,12 @@ class EtcdClient:
             self._raw.close()
         except Exception as exc:
             log.debug("closing etcd client: %s", exc)
+        deadline = time.monotonic() + wait_s
+        for thread in self.watch_threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if left := self.watch_threads:
+            log.warning("etcd watch threads still running %.0f s after the client closed: %s",
+                        wait_s, ", ".join(t.name for t in left))
 
     def __enter__(self) -> EtcdClient:
         return self

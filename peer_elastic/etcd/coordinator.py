@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import (
     ConfigError,
@@ -163,10 +164,7 @@ class Coordinator:
         except BaseException:
             self._shutdown_threads()
             raise
-        self._thread = threading.Thread(
-            target=self._coordination_loop, name=f"coordinator:{self.member_id}", daemon=True
-        )
-        self._thread.start()
+        self._thread = threads.start(self._coordination_loop, f"coordinator:{self.member_id}")
         return self
 
     def _register(self) -> None:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from peer_elastic import threads
 from peer_elastic.etcd.view import Member, ViewSnapshot
 from peer_elastic.netaddr import host_port, is_loopback
 
@@ -183,9 +184,7 @@ class DeathProber:
 
     def _start_thread(self) -> None:  # under self._lock
         if self._thread is None and not self._stop:
-            self._thread = threading.Thread(target=self._loop, name="peer-elastic-deaths",
-                                            daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._loop, "peer-elastic-deaths")
 
     def stop(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from peer_elastic import threads
 from peer_elastic.errors import EtcdAuthError, EtcdError, LeaseNotFound
 from peer_elastic.etcd.client import EtcdClient
 
@@ -73,8 +74,7 @@ class _RefreshThread:
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
+        self.thread = threads.start(self._run, name)
 
     def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost) -> None:
         with self.lock:

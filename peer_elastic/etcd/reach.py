@@ -44,6 +44,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from peer_elastic import threads
+
 __all__ = ["ReachReporter", "cut_off"]
 
 log = logging.getLogger(__name__)
@@ -113,9 +115,7 @@ class ReachReporter:
                 return
             self._reported, self._generation = merged, generation
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="peer-elastic-reach")
-                self._thread.start()
+                self._thread = threads.start(self._run, "peer-elastic-reach")
         self._publish()
 
     def close(self, erase: bool = True) -> None:

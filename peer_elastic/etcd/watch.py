@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from peer_elastic import threads
 from peer_elastic.errors import EtcdError, RevisionCompacted
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 
@@ -73,8 +74,7 @@ class PrefixWatch:
     def start(self) -> int:
         """Read the prefix, deliver the snapshot, start watching; returns the revision."""
         self._resync()
-        self._thread = threading.Thread(target=self._run, name=f"watch:{self.prefix}", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, f"watch:{self.prefix}")
         return self.revision
 
     def stop(self) -> None:

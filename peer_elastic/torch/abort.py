@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
+from peer_elastic import threads
 from peer_elastic.netaddr import plain_ip
 
 log = logging.getLogger(__name__)
@@ -287,8 +288,7 @@ class HangWatchdog(Generic[G]):
 
     def start(self) -> HangWatchdog[G]:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._watch_loop, name="hang-watchdog", daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._watch_loop, "hang-watchdog")
         return self
 
     def stop(self) -> None:

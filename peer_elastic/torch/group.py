@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from peer_elastic import threads
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
 from peer_elastic.etcd.deaths import probeable, refused
@@ -422,10 +423,8 @@ class GroupManager:
                     self._stall_probe is not None and self._stall_probe.is_alive()):
                 return
             self._next_stall_probe = now + _STALL_PROBE_EVERY_S
-            self._stall_probe = threading.Thread(
-                target=self._probe_waited_group, args=(group, waited_s), name="stall-probe",
-                daemon=True)
-            self._stall_probe.start()
+            self._stall_probe = threads.start(self._probe_waited_group, "stall-probe",
+                                              args=(group, waited_s))
 
     def _probe_waited_group(self, group: FormedGroup, waited_s: float) -> None:
         try:

@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from peer_elastic import threads
 from peer_elastic.torch.abort import Changes, GroupConnections, socket_inodes
 from peer_elastic.torch.gloo_records import GlooRankRecord, parse_gloo_rank
 
@@ -109,8 +110,7 @@ class FormingGuard:
 
     def __enter__(self) -> FormingGuard:
         self._before = socket_inodes()
-        self._thread = threading.Thread(target=self._watch, name="forming-guard", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._watch, "forming-guard")
         return self
 
     def __exit__(self, *exc: object) -> None:

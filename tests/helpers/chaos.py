@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Host, Hosts, NetnsUnavailable
-from tests.helpers.procs import Cluster, PeerProc, native_stacks
+from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left, native_stacks
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
 EVENTS_ENV = "PEER_ELASTIC_CHAOS_EVENTS"
@@ -809,6 +809,10 @@ class ChaosRunner:
                 problems.append(f"{p.name} ({p.state}, stopped {p.stops}x) exited {rc}, not 0")
             if rc is None:
                 problems.append(f"{p.name} (pid {p.pid}) is still running")
+            try:
+                assert_no_thread_of_ours_left(p.proc)
+            except AssertionError as exc:
+                problems.append(str(exc).split("\n", 1)[0])
             # Its own session: nothing of it (children included) may be left.
             try:
                 os.killpg(p.pid, 0)

@@ -63,7 +63,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -73,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
+from tests.helpers import at_exit
 
 N = int(os.environ.get("WORKER_SAMPLES", "480"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
@@ -199,8 +199,7 @@ def end_requested() -> bool:
 
 
 def main() -> int:
-    # A test that gives up waiting for this peer asks where it is (procs.PeerProc.dump_stacks).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    at_exit.install()  # stacks on SIGUSR1; the threads join() left, at exit
     torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
     with pe.join() as peer:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,

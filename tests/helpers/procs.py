@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.helpers.at_exit import PREFIX as THREADS_AT_EXIT
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.helpers.elastic_worker"
 #: Test workers that answer SIGUSR1 with every thread's stack (faulthandler).
@@ -142,6 +144,16 @@ def native_stacks(pid: int, timeout: float = 90.0) -> str:
     return f"\n--- native stacks of {pid}:\n" + "\n".join(kept)
 
 
+def assert_no_thread_of_ours_left(p: PeerProc) -> None:
+    """``p`` (a test worker, which reports at exit: tests/helpers/at_exit.py) exited with
+    no thread of peer-elastic still running: one running into the interpreter's exit can
+    abort or hang it (peer_elastic.threads)."""
+    with p.cond:
+        left = [line for line in p.lines
+                if line.startswith(THREADS_AT_EXIT) and "ours=[]" not in line]
+    assert not left, f"{p.name}: threads of peer-elastic outlived join(): {left}\n{p.output()}"
+
+
 def results(peers: list[PeerProc]) -> list[dict]:
     """Every ``RESULT <json>`` line the peers printed, decoded (rank 0 prints exactly one)."""
     out = []
@@ -167,6 +179,7 @@ def assert_exactly_once(peers: list[PeerProc], timeout: float = 240) -> dict:
         except AssertionError as exc:  # the cause is often in another peer's output
             raise AssertionError(f"{exc}\n{others_output(peers, p)}") from None
         assert code == 0, f"{p.name} exited {code}:\n{p.output()}\n{others_output(peers, p)}"
+        assert_no_thread_of_ours_left(p)
     found = results(peers)
     assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
     return found[0]

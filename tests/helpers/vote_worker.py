@@ -9,23 +9,21 @@ check's own exchange does, every P-th check, peer_elastic.torch.check_cadence), 
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
+from tests.helpers import at_exit
 
 STEPS = int(os.environ.get("WORKER_STEPS", "30"))
 PLAIN = os.environ.get("WORKER_PLAIN") == "1"
 
 
 def main() -> int:
-    # A test that gives up waiting for this peer asks where it is (procs.PeerProc.dump_stacks).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    at_exit.install()  # stacks on SIGUSR1; the threads join() left, at exit
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))

@@ -1,0 +1,75 @@
+"""A peer's process exits cleanly after join(): no thread of peer-elastic, and no thread of
+its etcd client, still runs into the interpreter's exit (peer_elastic.threads says why:
+CPython <= 3.13 ends such threads with pthread_exit, which through gRPC's or torch's C++
+aborts the process or leaves a lock held; CI saw peers finish and then never exit)."""
+
+from __future__ import annotations
+
+import threading
+
+from peer_elastic import threads
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.netaddr import ProbeListener, probe
+from tests.helpers.at_exit import PREFIX
+from tests.helpers.procs import Cluster
+
+
+def test_started_threads_are_tracked_until_they_end() -> None:
+    release = threading.Event()
+    t = threads.start(release.wait, "test-tracked", args=(30.0,))
+    assert t.daemon and t.name == "test-tracked"
+    assert t in threads.running()
+    assert threads.wait_all_ended(0.05) == ["test-tracked"]  # bounded, and it names it
+    release.set()
+    assert threads.wait_all_ended(10.0) == []
+    assert t not in threads.running() and not t.is_alive()
+
+
+def test_a_thread_does_not_wait_for_itself() -> None:
+    seen: list[list[str]] = []
+    t = threads.start(lambda: seen.append(threads.wait_all_ended(0.5)), "test-self")
+    t.join(10.0)
+    assert seen == [[]]
+
+
+def test_closing_the_probe_listener_ends_its_thread() -> None:
+    listener = ProbeListener("127.0.0.1")
+    assert "peer-elastic-probe" in [t.name for t in threads.running()]
+    assert probe("127.0.0.1", listener.port, timeout=1) is None
+    listener.close()
+    assert "peer-elastic-probe" not in [t.name for t in threads.running()]
+
+
+def test_a_closed_client_leaves_no_watch_thread(etcd: str, unique_job: str) -> None:
+    # Real etcd. etcd3 runs each client's watch stream on a thread of its own, which ends
+    # only after the stream does: close() cancels the stream and waits for it.
+    client = EtcdClient(etcd)
+    try:
+        client.watch_prefix(f"/{unique_job}/", lambda events, rev: None, lambda err: None,
+                            start_revision=client.revision())
+        # Found by the name etcd3 gives it: a release of etcd3 that names it otherwise
+        # fails here rather than leaving the thread unwaited.
+        (watch_thread,) = client.watch_threads
+        assert watch_thread.is_alive()
+        client.put(f"/{unique_job}/k", b"v")
+        client.keepalive_many([client.grant(10)])  # a stream read to its end
+    finally:
+        client.close()
+    assert not watch_thread.is_alive() and client.watch_threads == []
+
+
+def test_real_peers_leave_no_thread_running_at_exit(etcd: str, unique_job: str) -> None:
+    # Real etcd, two real peers (gloo), a short run, twice: each peer's exit finds only its
+    # main thread (the worker prints PREFIX's line otherwise), and each exits at once.
+    for attempt in range(2):
+        cluster = Cluster(etcd, f"{unique_job}-{attempt}", PEER_ELASTIC_MIN_NP=2,
+                          PEER_ELASTIC_MAX_NP=2, WORKER_STEPS=20)
+        try:
+            peers = cluster.start(2, module="tests.helpers.vote_worker")
+            for p in peers:
+                p.wait_line("COUNTED", timeout=120)
+                assert p.wait(timeout=60) == 0
+                left = [line for line in p.lines if line.startswith(PREFIX)]
+                assert not left, (p.name, left, p.output())
+        finally:
+            cluster.close()
