@@ -5,13 +5,17 @@ aborts the process or leaves a lock held; CI saw peers finish and then never exi
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+
+import pytest
 
 from peer_elastic import threads
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.netaddr import ProbeListener, probe
 from tests.helpers.at_exit import PREFIX
-from tests.helpers.procs import Cluster
+from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left
 
 
 def test_started_threads_are_tracked_until_they_end() -> None:
@@ -59,8 +63,8 @@ def test_a_closed_client_leaves_no_watch_thread(etcd: str, unique_job: str) -> N
 
 
 def test_real_peers_leave_no_thread_running_at_exit(etcd: str, unique_job: str) -> None:
-    # Real etcd, two real peers (gloo), a short run, twice: each peer's exit finds only its
-    # main thread (the worker prints PREFIX's line otherwise), and each exits at once.
+    # Real etcd, two real peers (gloo), a short run, twice: each peer's exit finds no thread
+    # of peer-elastic and no etcd watch thread running, and each exits at once.
     for attempt in range(2):
         cluster = Cluster(etcd, f"{unique_job}-{attempt}", PEER_ELASTIC_MIN_NP=2,
                           PEER_ELASTIC_MAX_NP=2, WORKER_STEPS=20)
@@ -69,7 +73,22 @@ def test_real_peers_leave_no_thread_running_at_exit(etcd: str, unique_job: str) 
             for p in peers:
                 p.wait_line("COUNTED", timeout=120)
                 assert p.wait(timeout=60) == 0
-                left = [line for line in p.lines if line.startswith(PREFIX)]
-                assert not left, (p.name, left, p.output())
+                assert_no_thread_of_ours_left(p)
         finally:
             cluster.close()
+
+
+def test_the_exit_check_fails_on_a_thread_of_ours_or_a_watch_thread() -> None:
+    # The check every oracle test makes (procs.assert_no_thread_of_ours_left), on lines as
+    # tests/helpers/at_exit.py prints them.
+    def worker_printing(line: str) -> PeerProc:
+        p = PeerProc([sys.executable, "-c", f"print({line!r})"], dict(os.environ), "fake")
+        assert p.wait(timeout=60) == 0
+        p.wait_line(PREFIX, timeout=10)
+        return p
+
+    assert_no_thread_of_ours_left(worker_printing(f"{PREFIX} ours=[] others=['Thread-3 (_run)']"))
+    for line in (f"{PREFIX} ours=['peer-elastic-probe'] others=[]",
+                 f"{PREFIX} ours=[] others=['etcd3_watch_7f00']"):
+        with pytest.raises(AssertionError, match="outlived join"):
+            assert_no_thread_of_ours_left(worker_printing(line))
