@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from peer_elastic import threads
+from peer_elastic.errors import EtcdError
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.netaddr import ProbeListener, probe
 from tests.helpers.at_exit import PREFIX
@@ -92,3 +93,35 @@ def test_the_exit_check_fails_on_a_thread_of_ours_or_a_watch_thread() -> None:
                  f"{PREFIX} ours=[] others=['etcd3_watch_7f00']"):
         with pytest.raises(AssertionError, match="outlived join"):
             assert_no_thread_of_ours_left(worker_printing(line))
+
+
+def test_a_keepalive_whose_stream_end_is_lost_after_every_answer_succeeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The keep-alive stream is read to its end (no cancel: see EtcdClient.keepalive_many);
+    # when every answer came and only the end is lost (the stream's deadline passes), the
+    # answers stand. An end lost before every answer still fails the call.
+    import etcd3
+    import grpc
+    from etcd3 import etcdrpc
+
+    class LostEnd(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    answered: list[int] = []
+
+    class Stub:
+        def LeaseKeepAlive(self, reqs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202, N802
+            for req in list(reqs)[:len(answered) or None]:
+                yield etcdrpc.LeaseKeepAliveResponse(ID=req.ID, TTL=9)
+            raise LostEnd()
+
+    monkeypatch.setattr(etcd3.MultiEndpointEtcd3Client, "leasestub", property(lambda _: Stub()))
+    client = EtcdClient("127.0.0.1:9", retry_budget_s=0.5)
+    try:
+        assert client.keepalive_many([1, 2]) == {1: 9, 2: 9}
+        answered.append(1)  # now only the first answer comes before the end is lost
+        with pytest.raises(EtcdError):
+            client.keepalive_many([1, 2])
+    finally:
+        client.close()

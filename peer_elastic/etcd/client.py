@@ -674,8 +674,13 @@ class EtcdClient:
             # answer, and by then gRPC's thread sending the requests has finished. A
             # cancelled stream leaves that thread winding down, maybe into the process's
             # exit (peer_elastic.threads says why that must not happen).
-            for resp in stream:
-                out[resp.ID] = resp.TTL
+            try:
+                for resp in stream:
+                    out[resp.ID] = resp.TTL
+            except grpc.RpcError:
+                if len(out) < len(ids):
+                    raise
+                # every answer came; only the stream's end was lost (its deadline passed)
             if len(out) < len(ids):
                 raise etcd_exc.ConnectionFailedError()  # stream ended without every answer
             if stream_header := getattr(resp, "header", None):
