@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import EtcdUnavailable
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
@@ -195,6 +196,8 @@ def test_unreachable_etcd_gives_one_clear_error() -> None:
     assert "Traceback" not in msg and "_InactiveRpcError" not in msg
     assert took < 10
     client.close()
+    # and nothing of the coordinator runs on (its lease keeper was started before it failed)
+    assert not [t.name for t in threads.running() if "unreachable" in t.name]
 
 
 @pytest.mark.cluster

@@ -157,9 +157,9 @@ class Coordinator:
         """
         if self._keeper is None:
             self._keeper = LeaseKeeper(self.client, name=f"lease-keeper:{self.job}")
-        self.view.start()
         self.incarnation += 1
         try:
+            self.view.start()  # reads etcd first: unreachable, it raises, and no thread stays
             self._register()
         except BaseException:
             self._shutdown_threads()
