@@ -187,11 +187,15 @@ class SnapshotWriter:
             return self._cv.wait_for(lambda: not self._busy, timeout)
 
     def close(self, timeout: float = 0.0) -> None:
-        """Stop the thread (after a write in flight, waiting at most ``timeout``)."""
-        self.wait_idle(timeout)
+        """Stop the thread (after a write in flight, waiting at most ``timeout``). An idle
+        thread has ended on return; one still writing ends after its write."""
+        idle = self.wait_idle(timeout)
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+            thread = self._thread
+        if idle and thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)  # it only has to see the flag
 
     def _loop(self) -> None:
         while True:
