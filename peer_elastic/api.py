@@ -138,6 +138,7 @@ def join(
         if probe is not None:
             probe.close()
         metrics.close()
+        client.close()
         raise
     peer: Peer | None = None
     previous_handler: Any = None

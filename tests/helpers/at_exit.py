@@ -14,8 +14,8 @@ from peer_elastic import threads
 
 #: Starts the line a worker prints at exit when threads besides its main one still run:
 #: ``THREADS-AT-EXIT ours=[...] others=[...]`` (ours: started by peer-elastic; others: by
-#: the libraries, such as gRPC's). None may be left after join() (peer_elastic.threads);
-#: procs.assert_exactly_once fails on ours.
+#: the libraries, such as gRPC's). None of ours may be left after join()
+#: (peer_elastic.threads): procs.assert_no_thread_of_ours_left checks.
 PREFIX = "THREADS-AT-EXIT"
 
 
