@@ -18,7 +18,7 @@ from peer_elastic.netaddr import ProbeListener, probe
 from tests.helpers.at_exit import PREFIX
 from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left
 
-# Other tests of this process may have left threads winding down: these two look only at
+# Other tests of this process may have left threads winding down: these tests look only at
 # their own.
 
 
@@ -41,11 +41,13 @@ def test_a_thread_does_not_wait_for_itself() -> None:
 
 
 def test_closing_the_probe_listener_ends_its_thread() -> None:
+    before = set(threads.running())
     listener = ProbeListener("127.0.0.1")
-    assert "peer-elastic-probe" in [t.name for t in threads.running()]
+    (serving,) = set(threads.running()) - before
+    assert serving.name == "peer-elastic-probe"
     assert probe("127.0.0.1", listener.port, timeout=1) is None
     listener.close()
-    assert "peer-elastic-probe" not in [t.name for t in threads.running()]
+    assert not serving.is_alive()
 
 
 def test_a_closed_client_leaves_no_watch_thread(etcd: str, unique_job: str) -> None:
