@@ -348,13 +348,17 @@ class Peer:
                 self._group = self.groups.form(after)
                 formed_unix = time.time()
                 self._incarnation = self.coordinator.incarnation
-                # After the new group exists, before state is synced, on EVERY rank (joiners
-                # and the first generation included): callbacks may run collectives, such
-                # as rebuilding DDP, and all ranks must enter them together.
+                # State first, then the reset callbacks, on EVERY rank (joiners and the
+                # first generation included): callbacks may run collectives, such as
+                # rebuilding DDP, and all ranks must enter them together. After the sync,
+                # because DDP's constructor broadcasts rank 0's parameters: run before it,
+                # that overwrote the newest state whenever its holder was not rank 0 (an
+                # older peer back from a partition), and the sync then sent rank 0's old
+                # model with the holder's newer progress (a seeded soak lost 288 samples).
                 # Waits on the others (marked: a peer cut off meanwhile is probed for).
                 with self._liveness.collective():
-                    state.on_reset()
                     self._agree_and_sync(state)
+                    state.on_reset()
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}
                 break

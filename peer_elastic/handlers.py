@@ -93,7 +93,7 @@ class StateHandler:
         raise NotImplementedError
 
     def reset(self) -> None:
-        """Local work after membership changed (before sync). Default: nothing."""
+        """Local work after membership changed (after the sync, if any). Default: nothing."""
 
     def has_local_progress(self) -> bool:
         """True while this object holds progress recorded on this rank only."""

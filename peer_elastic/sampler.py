@@ -14,9 +14,10 @@ gathered from every rank, and ``state_dict()`` is a packed bit tensor plus a few
 
 When the elastic loop must call what (``TorchState`` does it through its sampler handler):
 
-* once a new process group exists: ``reset()`` (``TorchState.on_reset`` calls it), which
-  re-partitions for the new world; this alone is enough when the sync is skipped (e.g. a
-  removals-only change), because ``record_batch`` keeps the progress identical on every rank;
+* once a new process group exists and state is synced: ``reset()`` (``TorchState.on_reset``
+  calls it), which re-partitions for the new world; this alone is enough when the sync is
+  skipped (e.g. a removals-only change), because ``record_batch`` keeps the progress
+  identical on every rank;
 * when state is synchronised: ``sync()``, which adopts the sync source's epoch and progress
   (a broadcast, never a merge: progress belongs to the model state it was recorded with,
   and the source's model is the one everybody adopts) and re-partitions;

@@ -20,8 +20,8 @@ How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
     state.attach(checker)          # commit() and check_host_updates() go through it
     while True:
         <form the new process group>
-        state.on_reset()           # handlers' reset (samplers re-partition), then callbacks
         <agree on the newest state version; sync from a rank holding it if ranks differ>
+        state.on_reset()           # handlers' reset (samplers re-partition), then callbacks
         try:
             return train(state)    # calls state.commit() every few batches
         except HostsUpdatedInterrupt:
@@ -151,8 +151,9 @@ class State:
 
     def on_reset(self) -> None:
         """Called by the run loop on every rank each time a process group forms (the first
-        one and joiners' included), before ``sync``: ``reset()`` then the reset callbacks.
-        Callbacks may run collectives (e.g. rebuild DDP): every rank enters them together."""
+        one and joiners' included), once state is synced: ``reset()`` then the reset
+        callbacks. Callbacks may run collectives (e.g. rebuild DDP): every rank enters them
+        together, holding the same state."""
         self.reset()
         for cb in list(self._reset_callbacks):
             cb()

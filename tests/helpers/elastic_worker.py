@@ -222,7 +222,10 @@ def main() -> int:
             holder["ddp"] = nn.parallel.DistributedDataParallel(Both(counter, net),
                                                                 process_group=group)
 
-        callbacks = [lambda: seen_sizes.append(dist.get_world_size())]
+        # Every rank enters the callbacks holding the same state (they run after the sync):
+        # tests compare these digests within a generation.
+        callbacks = [lambda: seen_sizes.append(dist.get_world_size()),
+                     lambda: say("CALLBACK", peer.generation, digest(state))]
         if USE_DDP and DDP_SUBGROUP != "train":
             callbacks.append(rebuild_ddp)
         state.register_reset_callbacks(callbacks)
