@@ -272,7 +272,7 @@ optimizer = pe.DistributedOptimizer(optimizer)
 
 # adjust learning rate on reset
 # horovod: runs after each reset -> runs each time a group forms, the first one included,
-#          on every rank (joiners too), before the state is synced.
+#          on every rank (joiners too), once the state is synced.
 def on_state_reset():
     for param_group in optimizer.param_groups:
         # horovod: hvd.size() -> pe.current_peer().size (the new generation's world size)
