@@ -803,6 +803,19 @@ class ChaosRunner:
         if len(self.applied) < len(self.schedule):
             problems.append(f"only {len(self.applied)} of {len(self.schedule)} events applied "
                             f"(the job reached WORKER_EPOCHS first: raise EPOCHS_PER_EVENT)")
+        # Reset callbacks run once state is synced: within a generation every rank holds
+        # the same state there (the worker prints its digest; DDP is rebuilt there).
+        digests: dict[str, set[str]] = {}
+        for p in self.peers:
+            with p.proc.cond:
+                for line in p.proc.lines:
+                    if line.startswith("CALLBACK "):
+                        _, gen, dig = line.split()
+                        digests.setdefault(gen, set()).add(dig)
+        split = {g: len(d) for g, d in digests.items() if len(d) > 1}
+        if split:
+            problems.append(f"ranks held different states in the reset callbacks of "
+                            f"generations {split} (generation: distinct digests)")
         for p in self.peers:
             rc = p.proc.proc.poll()
             if p.state not in ("killed", *self.ANY_EXIT) and rc != 0:
