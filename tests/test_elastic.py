@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.procs import Cluster, PeerProc, callback_digests
 from tests.test_partition import GEN_LINE
 
 pytestmark = pytest.mark.slow
@@ -174,12 +174,7 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
     assert r["exact"] and r["identical"] and r["world"] == 2, r
     # The callbacks (DDP rebuilt there) ran after the sync: in each generation every rank
     # held the same state in them, the joiner (other initial weights) included.
-    digests: dict[str, set[str]] = {}
-    for p in (a, b, c):
-        for line in p.lines:
-            if line.startswith("CALLBACK "):
-                _, gen, dig = line.split()
-                digests.setdefault(gen, set()).add(dig)
+    digests = callback_digests([a, b, c])
     assert len(digests) >= 3 and all(len(d) == 1 for d in digests.values()), digests
     # A peer started after the job finished says so and exits 0.
     (late,) = cluster.start(1, **env)

@@ -50,7 +50,13 @@ from typing import Any, NoReturn
 from peer_elastic.etcd_server import EtcdServer, EtcdStartError
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Host, Hosts, NetnsUnavailable
-from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left, native_stacks
+from tests.helpers.procs import (
+    Cluster,
+    PeerProc,
+    assert_no_thread_of_ours_left,
+    callback_digests,
+    native_stacks,
+)
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
 EVENTS_ENV = "PEER_ELASTIC_CHAOS_EVENTS"
@@ -805,13 +811,7 @@ class ChaosRunner:
                             f"(the job reached WORKER_EPOCHS first: raise EPOCHS_PER_EVENT)")
         # Reset callbacks run once state is synced: within a generation every rank holds
         # the same state there (the worker prints its digest; DDP is rebuilt there).
-        digests: dict[str, set[str]] = {}
-        for p in self.peers:
-            with p.proc.cond:
-                for line in p.proc.lines:
-                    if line.startswith("CALLBACK "):
-                        _, gen, dig = line.split()
-                        digests.setdefault(gen, set()).add(dig)
+        digests = callback_digests([p.proc for p in self.peers])
         split = {g: len(d) for g, d in digests.items() if len(d) > 1}
         if split:
             problems.append(f"ranks held different states in the reset callbacks of "

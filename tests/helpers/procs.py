@@ -158,6 +158,20 @@ def assert_no_thread_of_ours_left(p: PeerProc) -> None:
     assert not left, f"{p.name}: threads of peer-elastic outlived join(): {left}\n{p.output()}"
 
 
+def callback_digests(peers: list[PeerProc]) -> dict[str, set[str]]:
+    """Generation -> the state digests the peers printed in its reset callbacks
+    (``CALLBACK <generation> <digest>``, tests/helpers/elastic_worker.py). Callbacks run
+    once state is synced, so each generation should have one."""
+    digests: dict[str, set[str]] = {}
+    for p in peers:
+        with p.cond:
+            for line in p.lines:
+                if line.startswith("CALLBACK "):
+                    _, gen, dig = line.split()
+                    digests.setdefault(gen, set()).add(dig)
+    return digests
+
+
 def results(peers: list[PeerProc]) -> list[dict]:
     """Every ``RESULT <json>`` line the peers printed, decoded (rank 0 prints exactly one)."""
     out = []
