@@ -21,10 +21,10 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["running", "start", "wait_all_ended"]
+__all__ = ["join_all", "running", "start", "wait_all_ended"]
 
 _started: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _lock = threading.Lock()
@@ -46,10 +46,17 @@ def running() -> list[threading.Thread]:
         return [t for t in list(_started) if t.is_alive() and t is not me]
 
 
+def join_all(pending: Iterable[threading.Thread], timeout_s: float) -> list[threading.Thread]:
+    """Join ``pending`` within ``timeout_s`` in all; those still running then."""
+    pending = list(pending)
+    deadline = time.monotonic() + timeout_s
+    for thread in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in pending if t.is_alive()]
+
+
 def wait_all_ended(timeout_s: float) -> list[str]:
     """Wait at most ``timeout_s`` in all until every thread started here has ended (their
     owners were asked to stop them); the names of those still running then."""
-    deadline = time.monotonic() + timeout_s
-    for thread in running():
-        thread.join(max(0.0, deadline - time.monotonic()))
+    join_all(running(), timeout_s)
     return [t.name for t in running()]

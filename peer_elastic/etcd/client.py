@@ -31,7 +31,7 @@ import grpc
 import tenacity
 from etcd3 import etcdrpc
 
-from peer_elastic import settings_table
+from peer_elastic import settings_table, threads
 from peer_elastic.errors import (
     ConfigError,
     EtcdAuthError,
@@ -791,10 +791,7 @@ class EtcdClient:
             self._raw.close()
         except Exception as exc:
             log.debug("closing etcd client: %s", exc)
-        deadline = time.monotonic() + wait_s
-        for thread in self.watch_threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if left := self.watch_threads:
+        if left := threads.join_all(self.watch_threads, wait_s):
             log.warning("etcd watch threads still running %.0f s after the client closed: %s",
                         wait_s, ", ".join(t.name for t in left))
 

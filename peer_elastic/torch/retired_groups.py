@@ -38,9 +38,10 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import time
 import weakref
 from typing import Any
+
+from peer_elastic import threads
 
 __all__ = ["RetiredGroups"]
 
@@ -55,18 +56,10 @@ _HELPER_NAME = "peer-elastic-retired-groups"
 _running: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # helpers of every instance
 
 
-def _wait_for(helpers: list[threading.Thread], wait_s: float) -> bool:
-    """Join ``helpers`` within ``wait_s`` in all; True when none is running then."""
-    deadline = time.monotonic() + wait_s
-    for helper in helpers:
-        helper.join(max(0.0, deadline - time.monotonic()))
-    return not any(h.is_alive() for h in helpers)
-
-
 @atexit.register
 def _wait_at_exit() -> None:
     helpers = [h for h in list(_running) if h.is_alive()]
-    if helpers and not _wait_for(helpers, EXIT_WAIT_S):
+    if helpers and threads.join_all(helpers, EXIT_WAIT_S):
         log.error("destroyed process groups still finishing their collectives after %.0f s "
                   "at exit; the process may abort (SIGABRT) when they end", EXIT_WAIT_S)
 
@@ -102,7 +95,7 @@ class RetiredGroups:
             self._drop(kept)
         with self._lock:
             helpers, self._helpers = self._helpers, []
-        if _wait_for(helpers, wait_s):
+        if not threads.join_all(helpers, wait_s):
             return True
         log.warning("destroyed process groups still finishing their collectives after "
                     "%.1f s; not waiting for them", wait_s)
