@@ -37,6 +37,7 @@ from tests.helpers.chaos import (
     seed_from_env,
 )
 from tests.helpers.procs import Cluster
+from tests.helpers.stall_stacks import StallStacks
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +104,23 @@ def test_a_peer_that_does_not_exit_in_time_is_reported_with_its_stacks(unique_jo
         assert p.proc.poll() is None  # asked, not killed
     finally:
         cluster.close()
+
+
+def test_a_stalled_worker_writes_its_stacks_once_per_stall(capfd: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    # WORKER_STACKS_AFTER_S in a soak: a Python thread that dumps with the GIL held
+    # (faulthandler's C timer crashed a peer mid-dump, seed 295988996).
+    stacks = StallStacks(0.2)
+    try:
+        assert not stacks.wait_dumped(0.6), "nothing before the first batch"
+        stacks.beat()
+        assert stacks.wait_dumped(30)
+        assert not stacks.wait_dumped(0.6), "once per stall"
+        stacks.beat()
+        assert stacks.wait_dumped(30), "a new stall, a new dump"
+    finally:
+        stacks.close()
+    assert not stacks.running()
+    err = capfd.readouterr().err
+    assert err.count("stacks of all threads") == 2, err
+    assert "test_a_stalled_worker_writes_its_stacks_once_per_stall" in err, err

@@ -39,9 +39,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   file blocks at its next batch (a test picks a running peer). Prints ``HANGING <pid>
   <epoch> <batch> <generation>`` first.
 * ``WORKER_STACKS_AFTER_S=<seconds>``: every thread's stack is written to stderr once no
-  batch began for that long (``faulthandler``: from its own thread, so it works even when a
-  native call holds the GIL); for catching a peer that falls silent in a soak. ``SIGUSR1``
-  writes them at any time (a test that gives up waiting for the peer sends it).
+  batch began for that long (stall_stacks: a Python thread, holding the GIL while it dumps);
+  for catching a peer that falls silent in a soak. ``SIGUSR1`` writes them at any time (a
+  test that gives up waiting for the peer sends it).
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
 
@@ -58,7 +58,6 @@ Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation, th
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import json
 import math
@@ -73,6 +72,7 @@ from torch import nn
 
 import peer_elastic as pe
 from tests.helpers import at_exit
+from tests.helpers.stall_stacks import StallStacks
 
 N = int(os.environ.get("WORKER_SAMPLES", "480"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
@@ -200,6 +200,15 @@ def end_requested() -> bool:
 
 def main() -> int:
     at_exit.install()  # stacks on SIGUSR1; the threads join() left, at exit
+    stall_stacks = StallStacks(STACKS_AFTER_S) if STACKS_AFTER_S else None
+    try:
+        return _main(stall_stacks)
+    finally:
+        if stall_stacks is not None:
+            stall_stacks.close()
+
+
+def _main(stall_stacks: StallStacks | None) -> int:
     torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
     with pe.join() as peer:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,
@@ -246,8 +255,8 @@ def main() -> int:
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
                 for b in range(int(nb)):
-                    if STACKS_AFTER_S:  # every thread's stack once no batch began for that long
-                        faulthandler.dump_traceback_later(STACKS_AFTER_S)
+                    if stall_stacks is not None:
+                        stall_stacks.beat()
                     maybe_stall(state.epoch, b, peer.rank, peer.generation)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
