@@ -21,6 +21,7 @@ from peer_elastic.config import JobSettings
 from peer_elastic.errors import (
     ConfigError,
     ElasticTimeout,
+    EtcdUnavailable,
     JobFinished,
     ResetLimitExceeded,
 )
@@ -500,3 +501,28 @@ def test_two_jobs_on_one_etcd_do_not_disturb_each_other(etcd: str, unique_job: s
     finally:
         a_peers.close()
         b_peers.close()
+
+
+def test_a_view_whose_first_read_failed_starts_on_the_next_try(etcd: str,
+                                                                unique_job: str) -> None:
+    """A failed start() (etcd unreachable for its first read) leaves the view unstarted, so
+    the next start() reads and watches instead of returning a view that never updates."""
+    from peer_elastic.etcd.client import FaultInjection
+
+    client = EtcdClient(etcd, retry_budget_s=0.5)
+    view = JobView(client, unique_job)
+    try:
+        def unreachable(what: str) -> None:
+            raise EtcdUnavailable(f"test: {what}")
+
+        client.faults = FaultInjection(before=unreachable)
+        with pytest.raises(EtcdUnavailable):
+            view.start()
+        client.faults = None
+        view.start()
+        version = view.snapshot().version
+        client.put(JobKeys(unique_job).prefix + "test-key", b"x")  # any write under the job
+        assert view.wait_change(version, timeout=20) != version
+    finally:
+        view.stop()
+        client.close()

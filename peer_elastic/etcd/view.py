@@ -206,7 +206,13 @@ class JobView:
             if self._started:
                 return self
             self._started = True
-        self._watch.start()
+        try:
+            self._watch.start()  # its first read can fail (etcd unreachable)
+        except BaseException:
+            with self._lock:  # not started: a later start() must try again
+                self._started = False
+                self._users -= 1
+            raise
         return self
 
     def stop(self) -> None:
