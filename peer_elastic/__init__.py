@@ -35,6 +35,7 @@ _LAZY = {
     "register_handler": "peer_elastic.state",
     "ElasticSampler": "peer_elastic.sampler",
     "DistributedOptimizer": "peer_elastic.optim",
+    "allreduce_hook": "peer_elastic.ddp_hook",
 }
 
 __all__ = [

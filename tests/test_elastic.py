@@ -158,9 +158,13 @@ def test_reset_callbacks_see_world_size_and_reset_limit_stops_the_job(cluster: C
     assert c.wait(60) == 4
 
 
-def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluster) -> None:
-    # The README's recipe: DDP is rebuilt on each new group by a reset callback.
-    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2, WORKER_DDP=1)
+@pytest.mark.parametrize("hook", [False, True], ids=["ddp-reducer", "pe.allreduce_hook"])
+def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluster,
+                                                                 hook: bool) -> None:
+    # The README's recipe: DDP is rebuilt on each new group by a reset callback; with the
+    # hook, the reset vote rides on DDP's gradients, and checks between commits use it.
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2, WORKER_DDP=1, WORKER_DDP_HOOK=int(hook),
+               WORKER_CHECK_EVERY=1 if hook else 0)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
     wait_steps(a, 3)
@@ -172,6 +176,8 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
         assert p.wait(180) == 0, p.output()
     r = result_of(a)
     assert r["exact"] and r["identical"] and r["world"] == 2, r
+    if hook:  # every check after a step took the step's vote: none exchanged its own
+        assert r["check_exchanges"] == 0, r
     # The callbacks (DDP rebuilt there) ran after the sync: in each generation every rank
     # held the same state in them, the joiner (other initial weights) included.
     digests = callback_digests([a, b, c])

@@ -1,5 +1,6 @@
-"""The reset vote riding on DistributedOptimizer's gradient all-reduce
-(peer_elastic.torch.reset_vote): unit tests of the carrier, then real gloo groups.
+"""The reset vote riding on DistributedOptimizer's gradient all-reduce and on DDP's with
+pe.allreduce_hook (peer_elastic.torch.reset_vote): unit tests of the carrier, then real gloo
+groups.
 
 Every rank must take the same answer at the same check (so all raise together), the vote
 must not change the averaged gradients by a bit, and where no bucket can carry it (only
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -131,14 +133,15 @@ def test_no_carrier_bucket_means_no_vote_on_any_rank(tmp_path: Path) -> None:
     assert results[0]["p"] == results[1]["p"] == [-0.5] * 4  # 1 - (1 + 2) / 2
 
 
-def test_a_check_after_a_distributed_optimizer_step_runs_no_collective(
-        etcd: str, unique_job: str) -> None:
+@pytest.mark.parametrize("averaging", ["DistributedOptimizer", "DDP with pe.allreduce_hook"])
+def test_a_check_after_an_averaging_step_runs_no_collective(
+        etcd: str, unique_job: str, averaging: str) -> None:
     """Real etcd, two real peers: 30 steps, a check after each, 30 all-reduces in all (the
-    optimizer's); a hand-written exchange per check would make it 60."""
+    optimizer's, or DDP's one bucket); a hand-written exchange per check would make it 60."""
     from tests.helpers.procs import Cluster
 
     cluster = Cluster(etcd, unique_job, PEER_ELASTIC_MIN_NP=2, PEER_ELASTIC_MAX_NP=2,
-                      WORKER_STEPS=30)
+                      WORKER_STEPS=30, WORKER_DDP=int(averaging.startswith("DDP")))
     try:
         peers = cluster.start(2, module="tests.helpers.vote_worker")
         for p in peers:
@@ -147,3 +150,75 @@ def test_a_check_after_a_distributed_optimizer_step_runs_no_collective(
             assert p.wait(timeout=60) == 0
     finally:
         cluster.close()
+
+
+# --- DDP: pe.allreduce_hook -------------------------------------------------------------------
+
+def _ddp_model(shape: str) -> nn.Module:
+    torch.manual_seed(0)
+    if shape == "big_first":  # DDP's first bucket (the last layer's) is over RIDER_BYTES
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 270_000, bias=False))
+    if shape == "all_big":  # one bucket, over RIDER_BYTES: nothing can carry the vote
+        return nn.Sequential(nn.Linear(600, 600, bias=False))
+    return _model()
+
+
+def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
+    """What the check after each step would take, and the parameters after each step, with
+    DDP (its own reducer, or pe.allreduce_hook with rank world-1 voting from step 3 on)."""
+    import torch.distributed as dist
+
+    group = object()
+    model = _ddp_model(shape)
+    pg = None
+    if shape == "pairs":  # DDP over a data-parallel pair of a 4-rank job
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pg = pairs[rank // 2]
+    if shape == "three":  # 3 ranks: averaging by 1/3 must round as DDP's own reducer does
+        three, alone = dist.new_group([0, 1, 2]), dist.new_group([3])
+        pg = three if rank < 3 else alone
+    # big_first: 1 MB buckets, so the big layer's bucket is not the last one to be reduced
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=pg,
+                                              bucket_cap_mb=1 if shape == "big_first" else 25)
+    if hook:
+        ddp.register_comm_hook(pg, pe.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = 0
+    vote = ResetVote(lambda: Ballot(group, rank == world - 1 and step >= 3))
+    taken, params = [], []
+    with voting(vote):
+        for step in range(STEPS):
+            opt.zero_grad()
+            ddp(torch.full((2, model[0].in_features), float(rank + step))).pow(2).sum().backward()
+            opt.step()
+            taken.append(vote.take(group))
+            params.append([p.detach().flatten()[:64].tolist() + [float(p.detach().double().sum())]
+                           for p in model.parameters()])
+    return {"taken": taken, "params": params}
+
+
+def _ddp_worker(rank: int, world: int, out: Path) -> None:
+    """Each shape with and without the hook, in one group (4 ranks: "pairs" needs them)."""
+    results = {f"{shape}-{int(hook)}": _ddp_run(rank, world, shape, hook)
+               for shape in ("small", "big_first", "all_big", "pairs", "three") for hook in (False, True)}
+    (out / f"ddp-{rank}.json").write_text(json.dumps(results))
+
+
+def test_ddp_hook_carries_the_vote_on_every_rank_and_keeps_ddps_gradients(
+        tmp_path: Path) -> None:
+    world = 4
+    run_world(_ddp_worker, world, tmp_path)
+    ranks = [json.loads((tmp_path / f"ddp-{r}.json").read_text()) for r in range(world)]
+    expected = [step >= 3 for step in range(STEPS)]  # at the step it was cast, on all ranks
+    # big_first: the first bucket is too big to copy; the next one carries the vote, once
+    # DDP has cut its buckets (the first pass has one bucket of everything). all_big: no
+    # bucket is small enough; pairs: DDP over a pair of the 4 ranks (the other pair would
+    # not see the vote), three: the same. No rank has a vote there: each check exchanges its
+    # own.
+    want = {"small": expected, "big_first": [None, *expected[1:]],
+            "all_big": [None] * STEPS, "pairs": [None] * STEPS, "three": [None] * STEPS}
+    for shape, taken in want.items():
+        assert all(r[f"{shape}-1"]["taken"] == taken for r in ranks), (shape, ranks)
+        assert all(r[f"{shape}-0"]["taken"] == [None] * STEPS for r in ranks), shape
+        for r in ranks:  # bit-identical to DDP's own averaging
+            assert r[f"{shape}-1"]["params"] == r[f"{shape}-0"]["params"], shape

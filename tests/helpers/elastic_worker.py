@@ -27,7 +27,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   ``WORKER_DDP_SUBGROUP=1`` the callback first makes a subgroup of every rank
   (``dist.new_group``) and DDP reduces over it, as over a device mesh's groups; with
   ``WORKER_DDP_SUBGROUP=train`` the training function makes the subgroup and the DDP wrapper
-  over it each time it is entered (not a reset callback).
+  over it each time it is entered (not a reset callback). With ``WORKER_DDP_HOOK=1`` the
+  wrapper averages with ``pe.allreduce_hook`` (the reset vote rides on its gradients).
 * ``WORKER_END_FILE=path``: at each epoch start the ranks agree (one MAX all-reduce) whether
   the file exists; if so the job ends there, before ``WORKER_EPOCHS`` (the oracle then checks
   the epochs actually trained). Only at an epoch's start: a job re-entering its training
@@ -89,6 +90,7 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
 DDP_SUBGROUP = os.environ.get("WORKER_DDP_SUBGROUP", "")  # "1": in the callback; or "train"
+DDP_HOOK = os.environ.get("WORKER_DDP_HOOK") == "1"
 if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
@@ -228,8 +230,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
         def rebuild_ddp() -> None:
             # Each generation has a new process group: DDP must be rebuilt on it.
             group = dist.new_group(list(range(dist.get_world_size()))) if DDP_SUBGROUP else None
-            holder["ddp"] = nn.parallel.DistributedDataParallel(Both(counter, net),
-                                                                process_group=group)
+            ddp = nn.parallel.DistributedDataParallel(Both(counter, net), process_group=group)
+            if DDP_HOOK:
+                ddp.register_comm_hook(group, pe.allreduce_hook)
+            holder["ddp"] = ddp
 
         # Every rank enters the callbacks holding the same state (they run after the sync):
         # tests compare these digests within a generation.

@@ -108,6 +108,8 @@ class Pattern:
     # DDP reduces over a subgroup: "" none, "1" the reset callback makes it, "train" the
     # training function does.
     ddp_subgroup: str = ""
+    # DDP averages with pe.allreduce_hook: the reset vote rides on its gradient all-reduce.
+    ddp_hook: bool = False
     # Durable snapshots on (PEER_ELASTIC_SNAPSHOT_DIR in the run's work dir, every 0.5 s):
     # rank 0 writes them in the background while the events happen.
     snapshots: bool = False
@@ -115,12 +117,14 @@ class Pattern:
     def env(self) -> dict[str, object]:
         return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
                 "WORKER_CHECK_EVERY": self.check_every, "WORKER_PLAIN": int(self.plain),
-                "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup}
+                "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup,
+                "WORKER_DDP_HOOK": int(self.ddp_hook)}
 
     def describe(self) -> str:
         where = {"": "", "1": " (over a subgroup)",
                  "train": " (over a subgroup the training function makes)"}
-        ddp = f"ddp={int(self.ddp)}" + where[self.ddp_subgroup]
+        ddp = (f"ddp={int(self.ddp)}" + where[self.ddp_subgroup]
+               + (" with pe.allreduce_hook" if self.ddp_hook else ""))
         return (f"record={self.record} commit_every={self.commit_every} "
                 f"check_every={self.check_every} plain={int(self.plain)} {ddp}"
                 + (" snapshots=1" if self.snapshots else ""))
@@ -256,6 +260,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
         where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
         pattern = replace(pattern, ddp_subgroup=where)
+    if pattern.ddp and random.Random(f"{seed}/ddp-hook").random() < 0.5:  # drawn apart
+        pattern = replace(pattern, ddp_hook=True)
     if random.Random(f"{seed}/snapshots").random() < SNAPSHOT_SHARE:  # drawn apart
         pattern = replace(pattern, snapshots=True)
     out: list[SEvent] = []

@@ -1,6 +1,9 @@
 """A peer training with pe.DistributedOptimizer and a check after every step, counting the
 all-reduces it runs (tests/test_reset_vote.py): the check must add none.
 
+With ``WORKER_DDP=1`` DDP averages the gradients instead, rebuilt in a reset callback with
+``pe.allreduce_hook`` (one bucket: the model is small), and the optimizer is a plain one.
+
 Prints ``COUNTED <all-reduces> <steps>`` on every rank at the end. WORKER_STEPS: steps.
 With ``WORKER_PLAIN=1`` it makes only the checks, back to back (no step carries the vote: each
 check's own exchange does, every P-th check, peer_elastic.torch.check_cadence), and prints
@@ -20,13 +23,22 @@ from tests.helpers import at_exit
 
 STEPS = int(os.environ.get("WORKER_STEPS", "30"))
 PLAIN = os.environ.get("WORKER_PLAIN") == "1"
+DDP = os.environ.get("WORKER_DDP") == "1"
 
 
 def main() -> int:
     at_exit.install()  # stacks on SIGUSR1; the threads join() left, at exit
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    optimizer = pe.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if not DDP:
+        optimizer = pe.DistributedOptimizer(optimizer)
+    wrapped = {"model": model}
+
+    def rebuild_ddp() -> None:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, pe.allreduce_hook)
+        wrapped["model"] = ddp
     real_all_reduce = dist.all_reduce
     calls = [0]
 
@@ -36,6 +48,8 @@ def main() -> int:
 
     with pe.join() as peer:
         state = pe.TorchState(model=model, optimizer=optimizer, step=0)
+        if DDP:
+            state.register_reset_callbacks([rebuild_ddp])
 
         def train(state: pe.TorchState) -> tuple[int, int]:
             dist.all_reduce = counting_all_reduce
@@ -45,7 +59,7 @@ def main() -> int:
                         state.check_host_updates()
                         continue
                     optimizer.zero_grad()
-                    model(torch.randn(2, 4)).sum().backward()
+                    wrapped["model"](torch.randn(2, 4)).sum().backward()
                     optimizer.step()
                     state.check_host_updates()
             finally:
