@@ -51,7 +51,7 @@ def allreduce_hook(process_group: dist.ProcessGroup | None,
         return _reduced(dist.all_reduce(buffer, group=group, async_op=True))
     vote, ballot = carried
     n = buffer.numel()
-    flat = torch.empty(n + 1, dtype=buffer.dtype, device=buffer.device)
+    flat = _rider_buffer(n + 1, buffer)
     torch.mul(buffer, 1.0 / size, out=flat[:n])  # the copy and the averaging in one pass
     flat[n:].fill_(float(ballot.wants_reset))
     work = dist.all_reduce(flat, group=group, async_op=True)
@@ -87,6 +87,23 @@ def _carrier(group: dist.ProcessGroup, size: int, bucket: dist.GradBucket,
 
 # Whether a bucket of the current backward pass already carried the vote (one per pass).
 _pass_carried = [False]
+
+# The buffer the rider bucket is reduced in, by (elements, dtype, device): reused, since a fresh
+# one of up to 1 MiB each pass cost more than the copy into it (on CPU, fresh pages fault in).
+# Reuse is safe: DDP copies the result out of it into the gradients before backward() returns
+# (nothing aliases it afterwards), and the vote that keeps it is read before the next pass or
+# replaced by it.
+_rider_buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _rider_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    key = (numel, like.dtype, like.device)
+    flat = _rider_buffers.get(key)
+    if flat is None:
+        if len(_rider_buffers) >= 8:  # wrappers come and go (one per generation): stay small
+            _rider_buffers.clear()
+        flat = _rider_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return flat
 
 
 def _reduced(work: dist.Work) -> torch.futures.Future[torch.Tensor]:

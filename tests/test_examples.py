@@ -54,10 +54,11 @@ def test_readme_api_example_runs_on_two_peers(etcd: str, unique_job: str, tmp_pa
 
 
 @pytest.mark.slow
-def test_digits_example_trains_to_its_target() -> None:
+@pytest.mark.parametrize("averaging", [[], ["--ddp"]], ids=["DistributedOptimizer", "ddp"])
+def test_digits_example_trains_to_its_target(averaging: list[str]) -> None:
     r = run([sys.executable, "-m", "peer_elastic.cli", "run", "--standalone", "-n", "2",
              "--start-settle", "0.5", "--", sys.executable, "examples/train_digits.py",
-             "--epochs", "4", "--target", "0.85"])
+             "--epochs", "4", "--target", "0.85", *averaging])
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"test accuracy 0\.\d+ after 4 epochs", r.stdout), r.stdout
 
