@@ -8,8 +8,8 @@ without a hook, to the bit: each bucket is multiplied by 1 / the group's size (a
 reducer does; torch's Python hook divides, which can differ in the last bit) and summed.
 
 What it adds (:mod:`peer_elastic.torch.reset_vote`): while ``Peer.run`` runs the training
-function, one bucket per backward pass is reduced with one more element, this rank's ballot
-(1 when it wants a reset, else 0). The summed element is positive exactly when some rank
+function, one bucket per backward pass (of each wrapper) is reduced with one more element,
+this rank's ballot (1 when it wants a reset, else 0). The summed element is positive exactly when some rank
 wants one, on every rank, and the next ``check_host_updates()`` takes it instead of issuing
 its own all-reduce (issue 13: about 200 µs of a check at world 4 on the test machine).
 
@@ -51,7 +51,7 @@ def allreduce_hook(process_group: dist.ProcessGroup | None,
         return _reduced(dist.all_reduce(buffer, group=group, async_op=True))
     vote, ballot = carried
     n = buffer.numel()
-    flat = _rider_buffer(n + 1, buffer)
+    flat = _rider_buffer(buffer)
     torch.mul(buffer, 1.0 / size, out=flat[:n])  # the copy and the averaging in one pass
     flat[n:].fill_(float(ballot.wants_reset))
     work = dist.all_reduce(flat, group=group, async_op=True)
@@ -78,7 +78,9 @@ def _carrier(group: dist.ProcessGroup, size: int, bucket: dist.GradBucket,
         _pass_carried[0] = False
     if _pass_carried[0] or buffer.numel() * buffer.element_size() > RIDER_BYTES:
         return None
-    ballot = vote.cast()
+    # Two wrappers in one backward pass each have a rider in flight, counted in any order:
+    # both carry the same ballot (see ResetVote.cast_until_taken).
+    ballot = vote.cast_until_taken()
     if ballot is None:
         return None
     _pass_carried[0] = True
@@ -88,21 +90,26 @@ def _carrier(group: dist.ProcessGroup, size: int, bucket: dist.GradBucket,
 # Whether a bucket of the current backward pass already carried the vote (one per pass).
 _pass_carried = [False]
 
-# The buffer the rider bucket is reduced in, by (elements, dtype, device): reused, since a fresh
-# one of up to 1 MiB each pass cost more than the copy into it (on CPU, fresh pages fault in).
-# Reuse is safe: DDP copies the result out of it into the gradients before backward() returns
-# (nothing aliases it afterwards), and the vote that keeps it is read before the next pass or
-# replaced by it.
-_rider_buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+# The buffer each rider bucket is reduced in, one per DDP bucket (keyed by the address of DDP's
+# own bucket buffer, which is the wrapper's for as long as the wrapper lives): reused, since a
+# fresh one of up to 1 MiB each pass cost more than the copy into it (on CPU, fresh pages fault
+# in). Reuse is safe: DDP copies the result out of it into the gradients before backward()
+# returns (nothing aliases it afterwards), and the vote that keeps it is read before the next
+# pass or replaced by it. Per bucket, not per size: two wrappers' riders can be in flight
+# together.
+_rider_buffers: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _rider_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    key = (numel, like.dtype, like.device)
+def _rider_buffer(bucket_buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer one element longer than ``bucket_buffer``, this bucket's own."""
+    numel = bucket_buffer.numel() + 1
+    key = (bucket_buffer.data_ptr(), numel, bucket_buffer.dtype, bucket_buffer.device)
     flat = _rider_buffers.get(key)
     if flat is None:
         if len(_rider_buffers) >= 8:  # wrappers come and go (one per generation): stay small
             _rider_buffers.clear()
-        flat = _rider_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        flat = _rider_buffers[key] = torch.empty(numel, dtype=bucket_buffer.dtype,
+                                                 device=bucket_buffer.device)
     return flat
 
 

@@ -179,9 +179,10 @@ class Peer:
         checks come faster than an exchange is worth, only every P-th plain check exchanges
         (P agreed by the exchange, the same on every rank; at most 20 ms of checks,
         :mod:`peer_elastic.torch.check_cadence`); the others return at once. When a
-        ``DistributedOptimizer`` step ran since the last check, its gradient all-reduce
-        already carried the same bit (:mod:`peer_elastic.torch.reset_vote`): the check takes
-        that and issues nothing, so it runs no collective at all.
+        ``DistributedOptimizer`` step (or a DDP backward pass with ``pe.allreduce_hook``) ran
+        since the last check, its gradient all-reduce already carried the same bit
+        (:mod:`peer_elastic.torch.reset_vote`): the check takes that and issues nothing, so
+        it runs no collective at all.
 
         A commit, and a plain check whose completed exchange says a reset is due, need to
         know whether some rank holds unmerged progress *now*: they run one blocking

@@ -54,6 +54,17 @@ def test_a_vote_of_another_group_is_dropped_unread() -> None:
     assert vote.take(old) is None  # dropped, not kept for later
 
 
+def test_a_kept_ballot_lasts_until_the_next_take() -> None:
+    wishes = iter([False, True, True, False])
+    vote = ResetVote(lambda: Ballot(1, next(wishes)))
+    assert vote.cast_until_taken() == Ballot(1, False)
+    assert vote.cast_until_taken() == Ballot(1, False)  # kept, though the wish changed
+    vote.take(1)
+    assert vote.cast_until_taken() == Ballot(1, True)  # cast anew after a take
+    vote.clear()
+    assert vote.cast_until_taken() == Ballot(1, False)  # and after a clear
+
+
 def test_voting_makes_the_vote_current_only_inside() -> None:
     vote = ResetVote(lambda: None)
     assert current_vote() is None
@@ -169,7 +180,7 @@ def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
     import torch.distributed as dist
 
     group = object()
-    model = _ddp_model(shape)
+    models = [_ddp_model(shape)] + ([_ddp_model(shape)] if shape == "two" else [])
     pg = None
     if shape == "pairs":  # DDP over a data-parallel pair of a 4-rank job
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -177,30 +188,57 @@ def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
     if shape == "three":  # 3 ranks: averaging by 1/3 must round as DDP's own reducer does
         three, alone = dist.new_group([0, 1, 2]), dist.new_group([3])
         pg = three if rank < 3 else alone
-    # big_first: 1 MB buckets, so the big layer's bucket is not the last one to be reduced
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=pg,
-                                              bucket_cap_mb=1 if shape == "big_first" else 25)
-    if hook:
-        ddp.register_comm_hook(pg, pe.allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = 0
-    vote = ResetVote(lambda: Ballot(group, rank == world - 1 and step >= 3))
-    taken, params = [], []
+    wrappers = []
+    for model in models:
+        # big_first: 1 MB buckets, so the big layer's bucket is not the last one reduced;
+        # views: the gradients are views of DDP's buckets (the hook's result is copied in)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, process_group=pg, bucket_cap_mb=1 if shape == "big_first" else 25,
+            gradient_as_bucket_view=shape == "views")
+        if hook:
+            ddp.register_comm_hook(pg, pe.allreduce_hook)
+        wrappers.append(ddp)
+    params = [p for m in models for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    step, calls = 0, 0
+
+    def ballot() -> Ballot:
+        # two: each pass casts twice (one rider per wrapper, both in flight), and rank
+        # world-1's wish flips between the two casts: both riders must carry the first.
+        nonlocal calls
+        calls += 1
+        flip = shape != "two" or calls % 2 == 1
+        return Ballot(group, rank == world - 1 and step >= 3 and flip)
+
+    vote = ResetVote(ballot)
+    taken, after = [], []
     with voting(vote):
         for step in range(STEPS):
             opt.zero_grad()
-            ddp(torch.full((2, model[0].in_features), float(rank + step))).pow(2).sum().backward()
+            x = torch.full((2, models[0][0].in_features), float(rank + step))
+            sum(ddp(x).pow(2).sum() for ddp in wrappers).backward()
             opt.step()
             taken.append(vote.take(group))
-            params.append([p.detach().flatten()[:64].tolist() + [float(p.detach().double().sum())]
-                           for p in model.parameters()])
-    return {"taken": taken, "params": params}
+            after.append([p.detach().flatten()[:64].tolist() + [float(p.detach().double().sum())]
+                          for p in params])
+    return {"taken": taken, "params": after}
+
+
+# What every rank's check after each step takes with the hook, by shape. big_first: the first
+# bucket is too big to copy; the next one carries the vote, once DDP has cut its buckets (its
+# first pass has one bucket of everything). all_big: no bucket is small enough; pairs and three:
+# DDP over a group smaller than the job (the other ranks would not see the vote). No rank has a
+# vote there: each check exchanges its own. two: two wrappers in one backward pass.
+_WANTED = [step >= 3 for step in range(STEPS)]  # from the step it was cast, on all ranks
+DDP_TAKEN = {"small": _WANTED, "big_first": [None, *_WANTED[1:]], "all_big": [None] * STEPS,
+             "pairs": [None] * STEPS, "three": [None] * STEPS, "views": _WANTED,
+             "two": _WANTED}
 
 
 def _ddp_worker(rank: int, world: int, out: Path) -> None:
     """Each shape with and without the hook, in one group (4 ranks: "pairs" needs them)."""
     results = {f"{shape}-{int(hook)}": _ddp_run(rank, world, shape, hook)
-               for shape in ("small", "big_first", "all_big", "pairs", "three") for hook in (False, True)}
+               for shape in DDP_TAKEN for hook in (False, True)}
     (out / f"ddp-{rank}.json").write_text(json.dumps(results))
 
 
@@ -209,15 +247,7 @@ def test_ddp_hook_carries_the_vote_on_every_rank_and_keeps_ddps_gradients(
     world = 4
     run_world(_ddp_worker, world, tmp_path)
     ranks = [json.loads((tmp_path / f"ddp-{r}.json").read_text()) for r in range(world)]
-    expected = [step >= 3 for step in range(STEPS)]  # at the step it was cast, on all ranks
-    # big_first: the first bucket is too big to copy; the next one carries the vote, once
-    # DDP has cut its buckets (the first pass has one bucket of everything). all_big: no
-    # bucket is small enough; pairs: DDP over a pair of the 4 ranks (the other pair would
-    # not see the vote), three: the same. No rank has a vote there: each check exchanges its
-    # own.
-    want = {"small": expected, "big_first": [None, *expected[1:]],
-            "all_big": [None] * STEPS, "pairs": [None] * STEPS, "three": [None] * STEPS}
-    for shape, taken in want.items():
+    for shape, taken in DDP_TAKEN.items():
         assert all(r[f"{shape}-1"]["taken"] == taken for r in ranks), (shape, ranks)
         assert all(r[f"{shape}-0"]["taken"] == [None] * STEPS for r in ranks), shape
         for r in ranks:  # bit-identical to DDP's own averaging

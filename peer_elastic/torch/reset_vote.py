@@ -1,4 +1,5 @@
-"""A reset vote that rides on :func:`peer_elastic.DistributedOptimizer`'s gradient all-reduce.
+"""A reset vote that rides on a gradient all-reduce: :func:`peer_elastic.DistributedOptimizer`'s,
+or DDP's with :func:`peer_elastic.allreduce_hook` (:mod:`peer_elastic.ddp_hook`).
 
 ``check_host_updates()`` must make every rank raise at the same call, which needs one
 agreed bit per check: "does some rank know of a newer generation (or must stop)?". On its
@@ -53,10 +54,28 @@ class ResetVote:
         # element is the vote (two attributes, not a record: this is set on every step).
         self._group: object = None
         self._bucket: torch.Tensor | None = None
+        # The ballot cast_until_taken() keeps until the next take (or clear).
+        self._kept: Ballot | None = None
 
     def cast(self) -> Ballot | None:
         """This rank's ballot for the all-reduce about to run, or None (no group)."""
         return self._ballot()
+
+    def cast_until_taken(self) -> Ballot | None:
+        """Like :meth:`cast`, but the same ballot every time until the next :meth:`take`.
+
+        For carriers whose all-reduces can be in flight together and complete in any order
+        (two DDP wrappers in one backward pass, each with a rider bucket): the vote counted
+        last then differs between ranks, so every carrier must carry the same ballot for the
+        sums, and whichever of them counts last, to be the same everywhere. The cost: a wish
+        that arises after the first carrier since the previous check waits for the check
+        after the next one."""
+        ballot = self._ballot()
+        kept = self._kept
+        if kept is not None and ballot is not None and kept.group is ballot.group:
+            return kept
+        self._kept = ballot
+        return ballot
 
     def counted(self, ballot: Ballot, bucket: torch.Tensor) -> None:
         """The all-reduce of ``ballot``'s step completed. The last element of ``bucket`` is
@@ -72,13 +91,13 @@ class ResetVote:
         """Whether some rank of ``group`` wanted a reset at the last optimizer step since the
         previous take; None when no step voted in ``group`` since then."""
         bucket, counted_in = self._bucket, self._group
-        self._group = self._bucket = None
+        self._group = self._bucket = self._kept = None
         if bucket is None or counted_in is not group:
             return None
         return bool(bucket[-1].item() > 0)
 
     def clear(self) -> None:
-        self._group = self._bucket = None
+        self._group = self._bucket = self._kept = None
 
 
 _current: ResetVote | None = None
