@@ -383,20 +383,20 @@ def pe_optimizer(sgd: Any) -> Any:
 # --- driver -------------------------------------------------------------------------------------------
 
 
-def run_world(endpoint: str, world: int, calls: int, commits: int,
-              steps: int) -> dict[str, Any]:
-    job = f"check-{world}-{secrets.token_hex(3)}"
+def run_peers(script: Path, endpoint: str, world: int, job: str, args: list[str],
+              timeout: float) -> list[dict[str, Any]]:
+    """Run ``world`` peers of one job (``script --worker *args``, gloo, one thread each) and
+    return their ``RESULT`` dicts by rank; a peer that fails or overruns fails the run."""
     env = dict(os.environ, PEER_ELASTIC_ETCD=endpoint, PEER_ELASTIC_JOB=job,
                PEER_ELASTIC_MIN_NP=str(world), PEER_ELASTIC_MAX_NP=str(world),
                PEER_ELASTIC_BACKEND="gloo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(calls),
-           "--commits", str(commits), "--steps", str(steps)]
+    cmd = [sys.executable, str(script), "--worker", *args]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(world)]
     outputs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=WORKER_TIMEOUT_S + STEP_TIMEOUT_S * steps)
+            out, err = p.communicate(timeout=timeout)
             if p.returncode != 0:
                 raise RuntimeError(f"a peer exited {p.returncode}:\n{err[-3000:]}")
             outputs.append(out)
@@ -409,7 +409,15 @@ def run_world(endpoint: str, world: int, calls: int, commits: int,
     for out in outputs:
         line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
         ranks.append(json.loads(line[len("RESULT "):]))
-    ranks.sort(key=lambda r: r["rank"])
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
+def run_world(endpoint: str, world: int, calls: int, commits: int,
+              steps: int) -> dict[str, Any]:
+    ranks = run_peers(Path(__file__).resolve(), endpoint, world,
+                      f"check-{world}-{secrets.token_hex(3)}",
+                      ["--calls", str(calls), "--commits", str(commits), "--steps", str(steps)],
+                      WORKER_TIMEOUT_S + STEP_TIMEOUT_S * steps)
     res: dict[str, Any] = {"world": world, "params": ranks[0]["params"]}
     for kind in ("check", "all_reduce", "check_local", "check_after_work",
                  "all_reduce_after_work", "save", "commit", "step_plain", "step_check",

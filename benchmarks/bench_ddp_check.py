@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import secrets
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_check import paired_overhead, stats_us  # noqa: E402
+from bench_check import paired_overhead, run_peers, stats_us  # noqa: E402
 
 TARGET_US = 200.0
 STEPWISE = ("ddp", "ddp_again", "hook", "hook_check", "torch_hook")
@@ -130,28 +128,9 @@ def worker(rounds: int) -> int:
 
 
 def run_world(endpoint: str, world: int, rounds: int) -> dict[str, Any]:
-    job = f"ddp-check-{world}-{secrets.token_hex(3)}"
-    env = dict(os.environ, PEER_ELASTIC_ETCD=endpoint, PEER_ELASTIC_JOB=job,
-               PEER_ELASTIC_MIN_NP=str(world), PEER_ELASTIC_MAX_NP=str(world),
-               PEER_ELASTIC_BACKEND="gloo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rounds", str(rounds)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for _ in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
-            if p.returncode != 0:
-                raise RuntimeError(f"a peer exited {p.returncode}:\n{err[-3000:]}")
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    ranks = sorted((json.loads(next(ln for ln in out.splitlines()
-                                    if ln.startswith("RESULT "))[len("RESULT "):])
-                    for out in outputs), key=lambda r: r["rank"])
+    ranks = run_peers(Path(__file__).resolve(), endpoint, world,
+                      f"ddp-check-{world}-{secrets.token_hex(3)}", ["--rounds", str(rounds)],
+                      WORKER_TIMEOUT_S)
     res: dict[str, Any] = {"world": world, "rounds": rounds,
                            "check_exchanges": [r["check_exchanges"] for r in ranks]}
     for kind in ([f"step_{v}" for v in (*STEPWISE, *BLOCKWISE)]
