@@ -3,9 +3,13 @@ reset vote, so a check after a DDP step needs no collective of its own.
 
 ``ddp.register_comm_hook(None, pe.allreduce_hook)``: the same arguments as torch's
 ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook`` (the state is
-the process group DDP reduces over; None: the default group), and the same gradients as DDP
-without a hook, to the bit: each bucket is multiplied by 1 / the group's size (as DDP's own
-reducer does; torch's Python hook divides, which can differ in the last bit) and summed.
+the process group DDP reduces over; None: the default group), and DDP's own averaging: each
+bucket is multiplied by 1 / the group's size, as DDP's reducer does (torch's Python hook
+divides, which can differ in the last bit), and summed. A bucket without the vote gets the
+reducer's gradients to the bit. The one that carries it is one element longer, and a backend
+that cuts a buffer into chunks by its length (gloo at 4 ranks, say) may then add some
+elements in another order: those can differ from the reducer's in the last bit. Every rank
+gets the same sums, as from any all-reduce, so the ranks stay identical.
 
 What it adds (:mod:`peer_elastic.torch.reset_vote`): while ``Peer.run`` runs the training
 function, one bucket per backward pass (of each wrapper) is reduced with one more element,

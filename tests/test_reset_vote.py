@@ -3,7 +3,8 @@ pe.allreduce_hook (peer_elastic.torch.reset_vote): unit tests of the carrier, th
 groups.
 
 Every rank must take the same answer at the same check (so all raise together), the vote
-must not change the averaged gradients by a bit, and where no bucket can carry it (only
+must not change the averaged gradients by a bit where the buffer's length does not change how
+the backend adds it up (3 ranks, small buffers: the tests here), and where no bucket can carry it (only
 single-tensor buckets), no rank has a vote and the check falls back to its own exchange.
 """
 
@@ -171,7 +172,17 @@ def _ddp_model(shape: str) -> nn.Module:
         return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 270_000, bias=False))
     if shape == "all_big":  # one bucket, over RIDER_BYTES: nothing can carry the vote
         return nn.Sequential(nn.Linear(600, 600, bias=False))
+    if shape == "unused":  # a layer the forward never uses (find_unused_parameters)
+        return _WithUnused()
     return _model()
+
+
+class _WithUnused(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self[2](self[1](self[0](x)))  # never the last layer
 
 
 def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
@@ -194,7 +205,8 @@ def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
         # views: the gradients are views of DDP's buckets (the hook's result is copied in)
         ddp = nn.parallel.DistributedDataParallel(
             model, process_group=pg, bucket_cap_mb=1 if shape == "big_first" else 25,
-            gradient_as_bucket_view=shape == "views")
+            gradient_as_bucket_view=shape == "views", static_graph=shape == "static",
+            find_unused_parameters=shape == "unused")
         if hook:
             ddp.register_comm_hook(pg, pe.allreduce_hook)
         wrappers.append(ddp)
@@ -216,6 +228,9 @@ def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
         for step in range(STEPS):
             opt.zero_grad()
             x = torch.full((2, models[0][0].in_features), float(rank + step))
+            if shape == "accum":  # gradient accumulation: a pass without DDP's all-reduce
+                with wrappers[0].no_sync():
+                    wrappers[0](-x).pow(2).sum().backward()
             sum(ddp(x).pow(2).sum() for ddp in wrappers).backward()
             opt.step()
             taken.append(vote.take(group))
@@ -228,11 +243,17 @@ def _ddp_run(rank: int, world: int, shape: str, hook: bool) -> dict:
 # bucket is too big to copy; the next one carries the vote, once DDP has cut its buckets (its
 # first pass has one bucket of everything). all_big: no bucket is small enough; pairs and three:
 # DDP over a group smaller than the job (the other ranks would not see the vote). No rank has a
-# vote there: each check exchanges its own. two: two wrappers in one backward pass.
+# vote there: each check exchanges its own. two: two wrappers in one backward pass. static,
+# unused, accum: DDP's static_graph, find_unused_parameters, and a no_sync() pass before each
+# step (no hook runs in it).
 _WANTED = [step >= 3 for step in range(STEPS)]  # from the step it was cast, on all ranks
 DDP_TAKEN = {"small": _WANTED, "big_first": [None, *_WANTED[1:]], "all_big": [None] * STEPS,
              "pairs": [None] * STEPS, "three": [None] * STEPS, "views": _WANTED,
-             "two": _WANTED}
+             "two": _WANTED, "static": _WANTED, "unused": _WANTED, "accum": _WANTED}
+
+
+def _flat(params: list) -> list[float]:
+    return [x for step in params for p in step for x in p]
 
 
 def _ddp_worker(rank: int, world: int, out: Path) -> None:
@@ -250,5 +271,14 @@ def test_ddp_hook_carries_the_vote_on_every_rank_and_keeps_ddps_gradients(
     for shape, taken in DDP_TAKEN.items():
         assert all(r[f"{shape}-1"]["taken"] == taken for r in ranks), (shape, ranks)
         assert all(r[f"{shape}-0"]["taken"] == [None] * STEPS for r in ranks), shape
-        for r in ranks:  # bit-identical to DDP's own averaging
-            assert r[f"{shape}-1"]["params"] == r[f"{shape}-0"]["params"], shape
+        # Every rank of a DDP group holds the same parameters, to the bit.
+        groups = {"pairs": [[0, 1], [2, 3]], "three": [[0, 1, 2]]}.get(shape, [[0, 1, 2, 3]])
+        for members in groups:
+            assert all(ranks[m][f"{shape}-1"]["params"] == ranks[members[0]][f"{shape}-1"]["params"]
+                       for m in members), shape
+        hooked, reducer = ranks[0][f"{shape}-1"]["params"], ranks[0][f"{shape}-0"]["params"]
+        if taken == [None] * STEPS:  # no rider: DDP's own averaging, to the bit (three: 1/3)
+            assert hooked == reducer, shape
+        else:  # the rider is one element longer: gloo at 4 ranks may add some in another order
+            assert torch.allclose(torch.tensor(_flat(hooked)), torch.tensor(_flat(reducer)),
+                                  rtol=1e-5, atol=1e-7), shape
