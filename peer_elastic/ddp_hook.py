@@ -24,6 +24,11 @@ one, and the cost is one copy of that bucket, fused with the division. When no b
 that small, or DDP reduces over a group that is not the whole default group (a data-parallel
 dimension of a larger mesh: the others would not see the vote), no vote rides, on any rank,
 and the check exchanges its own as it would without the hook.
+
+"The first of the pass" is tracked across wrappers (a bucket with index 0 starts a pass). With
+two wrappers in one backward pass that is agreed because their hooks run in the same order
+on every rank: DDP drives one device per process, so autograd calls them from one thread, in
+the graph's order.
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
