@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from peer_elastic.torch.direct_all_reduce import start_all_reduce
 from peer_elastic.torch.reset_vote import Ballot, ResetVote, current_vote
 
 __all__ = ["RIDER_BYTES", "allreduce_hook"]
@@ -57,13 +58,13 @@ def allreduce_hook(process_group: dist.ProcessGroup | None,
     carried = _carrier(group, size, bucket, buffer)
     if carried is None:
         buffer.mul_(1.0 / size)
-        return _reduced(dist.all_reduce(buffer, group=group, async_op=True))
+        return _reduced(start_all_reduce(buffer, group=group))
     vote, ballot = carried
     n = buffer.numel()
     flat = _rider_buffer(buffer)
     torch.mul(buffer, 1.0 / size, out=flat[:n])  # the copy and the averaging in one pass
     flat[n:].fill_(float(ballot.wants_reset))
-    work = dist.all_reduce(flat, group=group, async_op=True)
+    work = start_all_reduce(flat, group=group)
 
     def counted(fut: torch.futures.Future[Any]) -> torch.Tensor:
         # Before DDP sees the bucket's result, so before backward() returns: a check after

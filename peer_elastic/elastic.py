@@ -35,7 +35,6 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from peer_elastic import logs, threads
 from peer_elastic.agreement import Agreement, Claim, StateVersion
@@ -56,6 +55,7 @@ from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
+from peer_elastic.torch.max_exchange import MaxExchange
 from peer_elastic.torch.pending_check import PendingCheck
 from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
 
@@ -94,7 +94,7 @@ class Peer:
                                        on_waiting=self.groups.waited_on_peers)
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
-        self._check_buf: torch.Tensor | None = None
+        self._check_exchange: MaxExchange | None = None
         # The generation exchange a plain check issued, completed at the next check that
         # exchanges: every check, or every P-th when checks come fast (check_cadence).
         self._pending = PendingCheck()
@@ -227,13 +227,12 @@ class Peer:
                                         previous.period if previous is not None else 1)
             return
         local = state is not None and state.has_local_progress()
-        buf = self._check_buf
-        if buf is None:
-            buf = self._check_buf = torch.zeros(2, dtype=torch.int64, device=self.device)
-        buf[0], buf[1] = want, int(local)
+        exchange = self._check_exchange
+        if exchange is None or exchange.device != self.device:
+            exchange = self._check_exchange = MaxExchange(2, self.device)
         with self._liveness.collective():
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-            reset, merge = int(buf[0].item()) > current, bool(buf[1].item())
+            newest_wanted, someone_local = exchange.run((want, int(local)))
+        reset, merge = newest_wanted > current, bool(someone_local)
         reset = reset or reset_due
         if merge and state is not None:
             with self._liveness.collective():

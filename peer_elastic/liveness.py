@@ -78,8 +78,12 @@ FREEZE_SLACK_S = 1.0
 RESPONSE_BUDGET_S = 60.0
 
 # Frames that mean "waiting on other peers". DDP's forward broadcasts buffers, and its
-# all-reduces run inside backward, called from the autograd engine.
-_PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py")
+# all-reduces run inside backward, called from the autograd engine. DistributedOptimizer's
+# all-reduce skips torch's Python wrapper (peer_elastic/torch/direct_all_reduce.py), so no
+# frame of it lies under torch/distributed/: that module only issues and waits on
+# collectives, and its frames count as such.
+_PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py",
+                    "/peer_elastic/torch/direct_all_reduce.py")
 _AUTOGRAD_PATH = "/torch/autograd/"
 _BACKWARD_NAMES = frozenset({"backward", "grad", "_engine_run_backward", "run_backward"})
 

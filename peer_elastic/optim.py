@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.torch.collectives import plan_buckets
+from peer_elastic.torch.direct_all_reduce import all_reduce_now
 from peer_elastic.torch.reset_vote import current_vote
 
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -90,7 +91,7 @@ class _Averaging:
         for i, bucket in enumerate(buckets):
             grads = [p.grad for p in bucket]
             if len(grads) == 1 and grads[0].is_contiguous():
-                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM)  # large: in place
+                all_reduce_now(grads[0])  # large: in place (SUM)
                 grads[0].div_(world)
                 continue
             riding = ballot is not None and i == rider
@@ -99,7 +100,7 @@ class _Averaging:
                                                                         grads[0])])
             else:
                 flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            all_reduce_now(flat)  # SUM; dist.all_reduce's wrapper costs on the hot path
             flat.div_(world)  # the ballot element too: still positive exactly when one voted 1
             if riding:
                 # The bucket itself, its last element the vote: it stays alive until the

@@ -36,6 +36,7 @@ from peer_elastic.liveness import (
     thread_waits_on_peers,
 )
 from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
+from peer_elastic.torch import direct_all_reduce
 from tests.helpers.procs import Cluster, PeerProc, results
 
 
@@ -210,6 +211,10 @@ def _blocked_in(path: str, started: threading.Event, release: threading.Event) -
 @pytest.mark.parametrize("path, waiting", [
     ("/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", True),
     ("/venv/lib/python3.12/site-packages/torch/nn/parallel/distributed.py", True),
+    # DistributedOptimizer's all-reduce, issued without torch's wrapper (the file itself, as
+    # installed here: a peer blocked in it waits on a hung one, it is not hung itself).
+    (direct_all_reduce.__file__, True),
+    ("/venv/lib/python3.12/site-packages/peer_elastic/optim.py", False),
     ("/venv/lib/python3.12/site-packages/torch/utils/data/dataloader.py", False),
     ("/home/me/train.py", False),
 ])

@@ -132,3 +132,51 @@ def test_a_peer_dying_with_an_op_pending_fails_the_next_check(tmp_path: Path) ->
         assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
         # A collective failure (the run loop restores the last commit), and the op is gone.
         assert value == ("failed", True, False), (rank, value)
+
+
+def _max_exchange_worker(store_path: str, rank: int, world: int, out: Any) -> None:
+    """Two rounds through one MaxExchange (the buffer is reused), blocking and started."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from peer_elastic.torch.max_exchange import MaxExchange
+
+        _init(store_path, rank, world)
+        exchange = MaxExchange(3, torch.device("cpu"))
+        first = exchange.run((rank, -rank, 7))
+        work = exchange.start((10 * rank, 5, -(2**62)))
+        work.wait()
+        second = exchange.read()
+        try:
+            exchange.start((1, 2))
+            wrong_length = "accepted"
+        except ValueError as exc:
+            wrong_length = str(exc)
+        dist.destroy_process_group()
+        out.put((rank, (first, second, wrong_length)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_max_exchange_gives_every_rank_the_elementwise_max(tmp_path: Path) -> None:
+    """The per-step protocol's one collective (peer_elastic.torch.max_exchange): written
+    through a host view and issued on the process group's own method, it must still give
+    every rank the MAX of every rank's values, round after round in the same buffer."""
+    world = 3
+    results = _run(_max_exchange_worker, str(tmp_path / "store"), world)
+    for rank, value in results.items():
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+        first, second, wrong_length = value
+        assert first == [world - 1, 0, 7], (rank, first)
+        assert second == [10 * (world - 1), 5, -(2**62)], (rank, second)
+        assert wrong_length == "2 values for a buffer of 3", (rank, wrong_length)
+
+
+def test_max_exchange_without_a_group_says_so() -> None:
+    import torch
+
+    from peer_elastic.torch.max_exchange import MaxExchange
+
+    with pytest.raises(RuntimeError, match="no default process group"):
+        MaxExchange(2, torch.device("cpu")).start((1, 2))

@@ -10,10 +10,11 @@ blocking exchange.
 
 One job: hold at most one op, of one group. The op belongs to the group it was issued in;
 completing it under another group (after a reset) drops it unread instead, so a destroyed
-group's op is never waited on in the next group. Device handling is generic: the buffer lives
-on the device the caller names (CPU for gloo, CUDA for nccl) and is read with ``.tolist()``
-after ``Work.wait()``. The op also agrees on how many checks pass until the next one
-(:mod:`peer_elastic.torch.check_cadence`).
+group's op is never waited on in the next group. The buffer lives on the device the caller
+names (CPU for gloo, CUDA for nccl) and is filled, issued and read by
+:class:`~peer_elastic.torch.max_exchange.MaxExchange` (cheaply: the issue is on the
+training step's critical path). The op also agrees on how many checks pass until the next
+one (:mod:`peer_elastic.torch.check_cadence`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from peer_elastic.torch.max_exchange import MaxExchange
 
 __all__ = ["PendingCheck", "PendingResult"]
 
@@ -37,7 +40,7 @@ class PendingResult:
 @dataclass
 class _Issued:
     group: object  # the FormedGroup it was issued in (compared by identity)
-    buf: torch.Tensor
+    exchange: MaxExchange
     work: dist.Work
 
 
@@ -49,7 +52,7 @@ class PendingCheck:
         self._issued: _Issued | None = None
         # The buffer of the last op that completed, reused by the next (no allocation per
         # check). Never a dropped op's: the backend's threads may still write into that one.
-        self._spare: torch.Tensor | None = None
+        self._spare: MaxExchange | None = None
 
     @property
     def pending(self) -> bool:
@@ -62,13 +65,11 @@ class PendingCheck:
             raise RuntimeError("an exchange is already pending; complete or drop it first")
         if period < 1:
             raise ValueError(f"a check period is at least 1, not {period}")
-        buf, self._spare = self._spare, None
-        if buf is None or buf.device != device:
-            buf = torch.empty(2, dtype=torch.int64, device=device)
-        buf[0], buf[1] = want, -period
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
-        assert work is not None  # async_op=True always returns a Work
-        self._issued = _Issued(group, buf, work)
+        exchange, self._spare = self._spare, None
+        if exchange is None or exchange.device != device:
+            exchange = MaxExchange(2, device)
+        work = exchange.start((want, -period))
+        self._issued = _Issued(group, exchange, work)
 
     def complete(self, group: object) -> PendingResult | None:
         """Wait for the op issued in ``group`` and return its result; None if there is none.
@@ -81,9 +82,9 @@ class PendingCheck:
         if issued is None or issued.group is not group:
             return None
         issued.work.wait()
-        newest, negated_period = issued.buf.tolist()
+        newest, negated_period = issued.exchange.read()
         result = PendingResult(newest_generation=int(newest), period=-int(negated_period))
-        self._spare = issued.buf
+        self._spare = issued.exchange
         return result
 
     def drop(self) -> None:

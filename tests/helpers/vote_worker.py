@@ -39,12 +39,15 @@ def main() -> int:
         ddp = nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, pe.allreduce_hook)
         wrapped["model"] = ddp
-    real_all_reduce = dist.all_reduce
+    # Counted where every all-reduce of Python passes: the process group's own method
+    # (dist.all_reduce calls it, and so does the check's exchange, directly).
+    descriptor = dist.ProcessGroup.__dict__["allreduce"]
+    real_all_reduce = dist.ProcessGroup.allreduce
     calls = [0]
 
-    def counting_all_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting_all_reduce(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls[0] += 1
-        return real_all_reduce(*args, **kwargs)
+        return real_all_reduce(self, *args, **kwargs)
 
     with pe.join() as peer:
         state = pe.TorchState(model=model, optimizer=optimizer, step=0)
@@ -52,7 +55,7 @@ def main() -> int:
             state.register_reset_callbacks([rebuild_ddp])
 
         def train(state: pe.TorchState) -> tuple[int, int]:
-            dist.all_reduce = counting_all_reduce
+            dist.ProcessGroup.allreduce = counting_all_reduce
             try:
                 for _ in range(STEPS):
                     if PLAIN:
@@ -63,7 +66,7 @@ def main() -> int:
                     optimizer.step()
                     state.check_host_updates()
             finally:
-                dist.all_reduce = real_all_reduce
+                dist.ProcessGroup.allreduce = descriptor  # the method as it was, unbound
             return calls[0], STEPS
 
         reduces, steps = peer.run(train, state)
