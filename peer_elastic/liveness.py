@@ -79,9 +79,10 @@ RESPONSE_BUDGET_S = 60.0
 
 # Frames that mean "waiting on other peers". DDP's forward broadcasts buffers, and its
 # all-reduces run inside backward, called from the autograd engine. DistributedOptimizer's
-# all-reduce skips torch's Python wrapper (peer_elastic/torch/direct_all_reduce.py), so no
-# frame of it lies under torch/distributed/: that module only issues and waits on
-# collectives, and its frames count as such.
+# all-reduce and the commit's exchange skip torch's Python wrapper
+# (peer_elastic/torch/direct_all_reduce.py), so no frame of theirs lies under
+# torch/distributed/: that module only issues and waits on collectives, and its frames count
+# as such.
 _PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py",
                     "/peer_elastic/torch/direct_all_reduce.py")
 _AUTOGRAD_PATH = "/torch/autograd/"

@@ -7,9 +7,9 @@ cold, that wrapper cost about 30 µs per call on the 2-core test machine (gloo, 
 measured interleaved with the direct call). A check's exchange and
 ``DistributedOptimizer``'s average each run one per step; measured paired, the direct call
 took 0.2-0.3 % less CPU per ``DistributedOptimizer`` step of the recovery benchmark's
-model (6 ms). :func:`start_all_reduce` and :func:`all_reduce_now` call the group's method itself with options built once; a tensor
-that the wrapper would treat specially (a subclass such as DTensor, a complex tensor) still
-goes through ``dist.all_reduce``.
+model (6 ms). :func:`start_all_reduce` and :func:`all_reduce_now` call the group's method
+itself with options built once; a tensor that the wrapper would treat specially (a
+subclass such as DTensor, a complex tensor) still goes through ``dist.all_reduce``.
 
 No frame of such a call lies under ``torch/distributed/``, so the hang detector
 (:mod:`peer_elastic.liveness`) counts this module's frames as waits on other peers: it only
