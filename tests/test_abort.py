@@ -192,11 +192,11 @@ SETTINGS = {
     "PEER_ELASTIC_LEASE_TTL": 3,
     "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
     "PEER_ELASTIC_START_SETTLE": 1.0,
-    # Beyond the bound the test waits for the others (90 s): only abandoning the collective
-    # can meet it. Not far beyond: the stopped peer, woken, may itself wait this long where
-    # gloo had queued one of its sends (peer_elastic.torch.subgroup_timeout), and must still
-    # rejoin before the job's end.
-    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 100,
+    # Beyond the bound the test gives the others to re-form (REFORM_BOUND_S): only
+    # abandoning the collective can meet it. Not far beyond: the stopped peer, woken, may
+    # itself wait this long where gloo had queued one of its sends
+    # (peer_elastic.torch.subgroup_timeout; woken_peer_rejoins below).
+    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 60,
     "PEER_ELASTIC_MIN_NP": 1,
     "WORKER_SAMPLES": 960,
     "WORKER_STEP_S": 0.03,
@@ -211,30 +211,76 @@ def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
     c.close()
 
 
-def stop_one_until_the_others_reform(cluster: Cluster, victim: int) -> str:
-    """Start three peers, SIGSTOP peer ``victim`` while the others train, and require them to
+#: How long the others may take to re-form without a stopped peer: far below the collective
+#: timeout (SETTINGS), far above the lease (3 s) and the grace (1.5 s) it takes here.
+REFORM_BOUND_S = 50
+#: What gloo says when a send it had queued on a connection cut meanwhile times out.
+QUEUED_SEND_TIMED_OUT = "for send operation to complete"
+
+
+def stop_one_until_the_others_reform(cluster: Cluster, rank: int) -> str:
+    """Start three peers, SIGSTOP the one of ``rank`` in the first generation (rank 0 is the
+    oldest, the leader) while the others train, and require them to
     re-form without it (abandoning the collective they were blocked in) long before the
-    100 s collective timeout; then SIGCONT it (it finds its lease gone and its connections
-    cut, and rejoins as a new member) and check the job's end. Returns the first GEN line
-    the others printed after the stop."""
+    collective timeout; then SIGCONT it (it finds its lease gone and its connections cut,
+    and rejoins as a new member) and check the job's end. Returns the first GEN line the
+    others printed after the stop."""
     peers = cluster.start(3)
-    for p in peers:
-        p.wait_line("GEN", timeout=90)
+    ranks = [rank_in_a_world_of(p, 3) for p in peers]
+    victim = ranks.index(rank)  # the start order does not decide who is oldest
     watcher = next(p for i, p in enumerate(peers) if i != victim)
     watcher.wait_line("STEP", after=len(watcher.lines), timeout=60)
     seen = len(watcher.lines)
     peers[victim].signal(signal.SIGSTOP)
     stopped = time.monotonic()
-    line = watcher.wait_line("GEN", after=seen, timeout=90)
+    line = watcher.wait_line("GEN", after=seen, timeout=REFORM_BOUND_S)
     print(f"re-formed {time.monotonic() - stopped:.2f} s after SIGSTOP: {line}")
     assert "abandoning generation" in "".join(
         p.output() for i, p in enumerate(peers) if i != victim)
     watcher.wait_line("STEP", after=len(watcher.lines), timeout=60)  # training goes on
     seen = len(watcher.lines)
     peers[victim].signal(signal.SIGCONT)
-    watcher.wait_line("GEN", after=seen, timeout=120)
-    assert_exactly_once(peers)
+    woken_peer_rejoins(peers, victim, watcher, seen)
     return line
+
+
+def rank_in_a_world_of(peer: PeerProc, size: int, timeout: float = 90) -> int:
+    """``peer``'s rank in the first generation of ``size`` members it prints."""
+    deadline, after = time.monotonic() + timeout, 0
+    while True:
+        line = peer.wait_line("GEN", after=after, timeout=max(0.0, deadline - time.monotonic()))
+        after = peer.lines.index(line, after) + 1
+        _, _, rank, world = line.split()
+        if int(world) == size:
+            return int(rank)
+
+
+def woken_peer_rejoins(peers: list[PeerProc], victim: int, watcher: PeerProc,
+                       seen: int) -> None:
+    """The woken peer is listed again before the job ends (the watcher's next GEN line after
+    index ``seen``), and the job ends exactly once.
+
+    One exception, gloo's: woken with its worker thread about to write, the peer may write
+    to a connection the others cut before its gloo loop reads that it was closed; the write
+    fails, gloo queues the send, and its error path never wakes a queued send
+    (peer_elastic.torch.subgroup_timeout). Such a peer waits out the collective timeout,
+    the job (seconds of training left) ends meanwhile, and the peer, back, finds the job
+    done and exits 0 (the run's record outlives the job by the run TTL, 60 s). The test
+    then requires exactly that: gloo's own words in its output and a clean end. Seen once
+    in CI, in none of 24 runs here (8 on a loaded machine)."""
+    try:
+        watcher.wait_line("GEN", after=seen, timeout=120)
+    except AssertionError:
+        if watcher.proc.poll() is None:
+            raise  # the job goes on and the woken peer is not back: a real failure
+        result = assert_exactly_once(peers)
+        woken = peers[victim].output()
+        assert QUEUED_SEND_TIMED_OUT in woken, (
+            f"the job ended before the woken peer was back, without gloo's queued send to "
+            f"explain it:\n{woken}")
+        print(f"woken peer back only after gloo's queued send timed out: {result}")
+        return
+    assert_exactly_once(peers)
 
 
 @pytest.mark.slow
@@ -242,7 +288,7 @@ def test_survivors_abandon_a_collective_stuck_on_a_stopped_leader(cluster: Clust
     # The oldest peer is rank 0 and the leader. Stopped, it leaves the others blocked in the
     # next gradient all-reduce: its lease (3 s) ends, the next-oldest leads, and the grace
     # (1.5 s) passes before they abandon the collective.
-    line = stop_one_until_the_others_reform(cluster, victim=0)
+    line = stop_one_until_the_others_reform(cluster, rank=0)
     assert line.split()[3] == "2", line
 
 
@@ -252,10 +298,10 @@ def test_a_ddp_subgroup_made_in_a_reset_callback_is_abandoned_with_its_group(
     # DDP reduces over a subgroup that the reset callback makes (dist.new_group), as over a
     # device mesh's groups. A stopped peer leaves the others blocked in DDP's all-reduce on
     # that subgroup: its connections are cut with the group's, so they re-form long before
-    # the 100 s collective timeout (without that they were still blocked after 90 s).
+    # the collective timeout (without the cut they were still blocked after 90 s).
     cluster = Cluster(etcd, unique_job, **SETTINGS, WORKER_DDP=1, WORKER_DDP_SUBGROUP=1)
     try:
-        stop_one_until_the_others_reform(cluster, victim=2)
+        stop_one_until_the_others_reform(cluster, rank=2)
     finally:
         cluster.close()
 
@@ -269,7 +315,7 @@ def test_a_subgroup_made_in_the_training_function_is_abandoned_with_its_group(
     # its store carried (gloo_records.GlooListeners), and are cut with the group.
     cluster = Cluster(etcd, unique_job, **SETTINGS, WORKER_DDP=1, WORKER_DDP_SUBGROUP="train")
     try:
-        stop_one_until_the_others_reform(cluster, victim=1)
+        stop_one_until_the_others_reform(cluster, rank=1)
     finally:
         cluster.close()
 
