@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
-from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once
+from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, others_output
 
 
 @pytest.fixture
@@ -270,9 +270,9 @@ def woken_peer_rejoins(peers: list[PeerProc], victim: int, watcher: PeerProc,
     in CI, in none of 24 runs here (8 on a loaded machine)."""
     try:
         watcher.wait_line("GEN", after=seen, timeout=120)
-    except AssertionError:
-        if watcher.proc.poll() is None:
-            raise  # the job goes on and the woken peer is not back: a real failure
+    except AssertionError as exc:
+        if watcher.proc.poll() is None:  # the job goes on and the woken peer is not back
+            raise AssertionError(f"{exc}\n{others_output(peers, watcher)}") from None
         result = assert_exactly_once(peers)
         woken = peers[victim].output()
         assert QUEUED_SEND_TIMED_OUT in woken, (
