@@ -267,7 +267,7 @@ def woken_peer_rejoins(peers: list[PeerProc], victim: int, watcher: PeerProc,
     the job (seconds of training left) ends meanwhile, and the peer, back, finds the job
     done and exits 0 (the run's record outlives the job by the run TTL, 60 s). The test
     then requires exactly that: gloo's own words in its output and a clean end. Seen once
-    in CI, in none of 24 runs here (8 on a loaded machine)."""
+    in CI, in none of 24 runs here (14 beside two busy loops)."""
     try:
         watcher.wait_line("GEN", after=seen, timeout=120)
     except AssertionError as exc:
