@@ -19,6 +19,7 @@ import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, endpoint_matcher
 from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, others_output
+from tests.test_crash_detection import start_world_of_3
 
 
 @pytest.fixture
@@ -226,8 +227,7 @@ def stop_one_until_the_others_reform(cluster: Cluster, rank: int) -> str:
     and rejoins as a new member) and check the job's end. Returns the first GEN line the
     others printed after the stop."""
     peers = cluster.start(3)
-    ranks = [rank_in_a_world_of(p, 3) for p in peers]
-    victim = ranks.index(rank)  # the start order does not decide who is oldest
+    victim = peers.index(start_world_of_3(*peers)[rank])  # start order does not decide age
     watcher = next(p for i, p in enumerate(peers) if i != victim)
     watcher.wait_line("STEP", after=len(watcher.lines), timeout=60)
     seen = len(watcher.lines)
@@ -242,17 +242,6 @@ def stop_one_until_the_others_reform(cluster: Cluster, rank: int) -> str:
     peers[victim].signal(signal.SIGCONT)
     woken_peer_rejoins(peers, victim, watcher, seen)
     return line
-
-
-def rank_in_a_world_of(peer: PeerProc, size: int, timeout: float = 90) -> int:
-    """``peer``'s rank in the first generation of ``size`` members it prints."""
-    deadline, after = time.monotonic() + timeout, 0
-    while True:
-        line = peer.wait_line("GEN", after=after, timeout=max(0.0, deadline - time.monotonic()))
-        after = peer.lines.index(line, after) + 1
-        _, _, rank, world = line.split()
-        if int(world) == size:
-            return int(rank)
 
 
 def woken_peer_rejoins(peers: list[PeerProc], victim: int, watcher: PeerProc,
