@@ -22,6 +22,7 @@ import pytest
 from peer_elastic.etcd_server import WORK_DIR_PREFIX
 from peer_elastic.owned_dirs import sweep
 from peer_elastic.parent_death import die_with_parent
+from tests.helpers.procs import native_stacks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the parent-death signal is Linux's")
@@ -128,7 +129,10 @@ def _wait_for_world(etcd: str, job: str, size: int) -> None:
 def _kill_launcher_and_wait(launcher: subprocess.Popen[str], children: list[int]) -> None:
     launcher.kill()
     launcher.wait(timeout=30)
-    assert _wait_gone(children) == [], "children outlived the SIGKILLed launcher"
+    left = _wait_gone(children)
+    # Their output went to the dead launcher's pipes: where they are is all there is to show.
+    assert left == [], ("children outlived the SIGKILLed launcher:"
+                        + "".join(native_stacks(pid) for pid in left))
 
 
 TRAIN = [sys.executable, "examples/train_digits.py", "--epochs", "1000"]  # trains on and on
