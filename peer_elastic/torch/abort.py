@@ -13,13 +13,16 @@ and :meth:`GroupConnections.cut` shuts them down (``shutdown(2)``, not ``close``
 owns the descriptors and closes them when the group is destroyed). Every pending and later
 operation of that group then raises "Connection closed by peer" on this rank, and on each
 peer connected to it, which the run loop already handles as a failed collective: restore
-the last commit and re-form. nccl has a real abort, which :class:`HangWatchdog` uses.
+the last commit and re-form. An abandon ends only this rank's side instead
+(:meth:`GroupConnections.shut_for_reading`) and holds the connections open, so that nothing
+reaches a frozen peer (:mod:`peer_elastic.torch.held_connections` says why). nccl has a
+real abort, which the group manager uses.
 
 :class:`HangWatchdog` decides when: a member of the group this peer trains in has lost its
 lease (its key is gone from the watched view), or is cut off from the others' groups (the
 reachability reports of :mod:`peer_elastic.etcd.reach`, which a long wait in a collective
 triggers), or this peer itself lost its lease. It first
-gives the training thread ``grace_s`` to leave the group on its own, at its next
+gives the training thread a grace (:class:`Loss`) to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
 group that is still current after the grace is cut. Subgroups made at any time in the
 generation (``dist.new_group`` in a reset callback or in the training function, a device
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from peer_elastic import threads
@@ -178,10 +182,7 @@ class GroupConnections:
         on the shut connections.
         """
         if flush_s > 0:
-            for sock in self._open():
-                with sock:
-                    _make_room(sock)
-            time.sleep(flush_s)
+            self.make_room(flush_s)
         count = 0
         for sock in self._open():
             with sock:
@@ -192,6 +193,40 @@ class GroupConnections:
                     pass
         self.cut_count += count
         return count
+
+    def make_room(self, settle_s: float) -> None:
+        """Give every remembered connection room for whatever gloo still has queued for it,
+        and wait ``settle_s`` for gloo's loop to hand it to the kernel (why: :meth:`cut`)."""
+        for sock in self._open():
+            with sock:
+                _grow_send_buffer(sock)
+        time.sleep(settle_s)
+
+    def shut_for_reading(self) -> list[socket.socket]:
+        """End this rank's pending and later operations on every remembered connection
+        still open, and tell the other end nothing; return a duplicate of each connection
+        shut, which keeps it established (hold them: :mod:`peer_elastic.torch.held_connections`
+        says why).
+
+        ``shutdown(SHUT_RD)`` makes gloo's loop read end-of-file: it fails the pair's waits
+        and closes its own descriptor, and no FIN or reset leaves. Call :meth:`make_room`
+        first where gloo may have sends queued."""
+        held = []
+        for sock in self._open():
+            try:
+                sock.shutdown(socket.SHUT_RD)
+            except OSError:  # already reset by the other side: nothing to hold
+                sock.close()
+                continue
+            held.append(sock)
+        self.cut_count += len(held)
+        return held
+
+    def without(self, inodes: Collection[int]) -> GroupConnections:
+        """These connections but ``inodes``."""
+        rest = GroupConnections(self.inodes - frozenset(inodes))
+        rest.cut_count = self.cut_count
+        return rest
 
     def _open(self) -> Iterator[socket.socket]:
         """A duplicate of each remembered connection still open (the caller closes it)."""
@@ -208,7 +243,7 @@ _ROOM_BYTES = 64 * 1024 * 1024
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32 if sys.platform == "linux" else None)
 
 
-def _make_room(sock: socket.socket) -> None:
+def _grow_send_buffer(sock: socket.socket) -> None:
     """Grow ``sock``'s send buffer: beyond ``net.core.wmem_max`` where this process may
     (SO_SNDBUFFORCE, CAP_NET_ADMIN), else up to it."""
     for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
@@ -242,20 +277,25 @@ def endpoint_matcher(endpoints: Iterable[tuple[str, int]]) -> Callable[[str, int
 G = TypeVar("G")
 
 
+@dataclass(frozen=True)
+class Loss:
+    """Why a watched group can no longer complete a collective."""
+
+    why: str  # for logs and events
+    grace_s: float  # how long the training thread may take to leave the group by itself
+
+
 class WatchedGroups(Protocol[G]):
     """The groups a :class:`HangWatchdog` watches (``GroupManager`` is one)."""
 
     def current_group(self) -> G | None:
         """The group this peer is in (None between groups)."""
 
-    def lost_peer(self, group: G) -> str | None:
+    def lost_peer(self, group: G) -> Loss | None:
         """Why ``group`` can no longer complete a collective, or None while it can."""
 
     def abandon(self, group: G, why: str) -> bool:
         """Make ``group``'s pending and later collectives fail now."""
-
-    def grace_s(self) -> float:
-        """How long the training thread may take to leave such a group by itself."""
 
 
 class Changes(Protocol):
@@ -271,10 +311,10 @@ class Changes(Protocol):
 class HangWatchdog(Generic[G]):
     """Frees this peer from a collective that waits on a peer whose lease is gone.
 
-    It watches ``groups`` (:class:`WatchedGroups`): when the current group lost a peer and is
-    still current ``grace_s()`` later, it abandons the group's collectives. It waits on
-    ``changes`` (the job view), so it wakes on membership changes and on ``wake()``, which
-    the group manager calls whenever its group changes; it never polls.
+    It watches ``groups`` (:class:`WatchedGroups`): when the current group lost a peer and
+    is still current the :class:`Loss`'s grace later, it abandons the group's collectives.
+    It waits on ``changes`` (the job view), so it wakes on membership changes and on
+    ``wake()``, which the group manager calls whenever its group changes; it never polls.
     """
 
     def __init__(self, groups: WatchedGroups[G], changes: Changes) -> None:
@@ -302,26 +342,26 @@ class HangWatchdog(Generic[G]):
         seen: G | None = None
         while not self._stop.is_set():
             group = self._current()
-            why = self._groups.lost_peer(group) if group is not None else None
-            if why is not None:
-                self._handle(group, why)
+            loss = self._groups.lost_peer(group) if group is not None else None
+            if loss is not None:
+                self._handle(group, loss)
             seen = group
             # Membership changes bump the view's version; group changes arrive by wake().
             version = self._wait_change(
                 version, 5.0, lambda s=seen: self._stop.is_set() or self._current() is not s)
 
-    def _handle(self, group: G, why: str) -> None:
+    def _handle(self, group: G, loss: Loss) -> None:
         """Give the training thread the grace to leave ``group``; cut it if it did not."""
-        grace = self._groups.grace_s()
+        grace = loss.grace_s
         log.info("%s: the group is abandoned unless this peer leaves it within %.1f s",
-                 why, grace)
+                 loss.why, grace)
         deadline = time.monotonic() + grace
         version = -1
         while not self._stop.is_set() and self._current() is group:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.aborted += 1
-                self._groups.abandon(group, why)
+                self._groups.abandon(group, loss.why)
                 break
             version = self._wait_change(
                 version, left, lambda: self._stop.is_set() or self._current() is not group)

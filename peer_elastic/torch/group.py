@@ -51,9 +51,10 @@ from peer_elastic.etcd.stop import (
 from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
-from peer_elastic.torch.abort import GroupConnections, endpoint_matcher
+from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.gloo_records import GlooListeners
+from peer_elastic.torch.held_connections import HeldConnections
 from peer_elastic.torch.retired_groups import RetiredGroups
 from peer_elastic.torch.store import EtcdStore
 from peer_elastic.torch.stranded_connect import FormingGuard
@@ -69,7 +70,7 @@ _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
 _STALL_PROBE_AFTER_S = 2.0
 _STALL_PROBE_EVERY_S = 5.0
 #: How long an abandoned group's connections keep room for gloo's queued sends before they
-#: are shut down (GroupConnections.cut): gloo's loop hands them over within milliseconds.
+#: are shut (GroupConnections.make_room): gloo's loop hands them over within milliseconds.
 _FLUSH_BEFORE_CUT_S = 0.2
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
@@ -177,6 +178,7 @@ class GroupManager:
         self._listeners = GlooListeners()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
         self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
+        self._held = HeldConnections()  # abandoned groups' connections, kept open (why: there)
         self._reach = ReachReporter(  # members this peer cannot reach, kept true in etcd
             lambda members, n: coordinator.report_unreachable(members, n),
             lambda: coordinator.clear_unreachable(), self._probe_member)
@@ -190,7 +192,9 @@ class GroupManager:
         """Tear down the current group (if any). Safe after a failed collective or init."""
         with self._lock:
             had_group, self.current = self.current is not None, None
-            connections, self._connections = self._group_connections(), GroupConnections()
+            # An abandoned group's connections stay as its abandon left them: open.
+            connections = self._group_connections().without(self._held.inodes())
+            self._connections = GroupConnections()
             self._listeners = GlooListeners()
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
@@ -219,6 +223,7 @@ class GroupManager:
         self.coordinator.hold_rejoin(None)
         self._reach.close()
         self._retired.release(wait_s)
+        self._held.release()
         restore_default_timeouts(self._torch_defaults)
 
     def form(self, after: int) -> FormedGroup:
@@ -352,26 +357,30 @@ class GroupManager:
         """The group this peer is in now (None between groups)."""
         return self.current
 
-    def grace_s(self) -> float:
-        """How long the training thread may take to leave a group that lost a peer."""
-        return float(self.coordinator.config.join_timeout_s or 1.0)
-
-    def lost_peer(self, group: FormedGroup) -> str | None:
+    def lost_peer(self, group: FormedGroup) -> Loss | None:
         """Why ``group`` can no longer complete a collective, or None while it can.
 
         A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
-        did this peer if it lost its registration since the group formed.
+        did this peer if it lost its registration since the group formed. The training
+        thread gets a join timeout to leave such a group by itself, so that a step merely in
+        progress is not thrown away; none when this peer itself is the one that lost its
+        lease: its step is thrown away anyway, and it registers again only once it is out
+        (``left_lost_registration``).
         """
         if group.assignment.size <= 1:
             return None  # alone: no collective can wait on anyone
-        reason = stop_reason(self.coordinator, group, causes=CANNOT_COMPLETE)
+        coord = self.coordinator
+        reason = stop_reason(coord, group, causes=CANNOT_COMPLETE)
         if reason is None or reason.cause is StopCause.JOB_DONE:
             return None  # finished: peers leave one by one, nothing is stuck
-        return reason.detail
+        own = reason.cause is StopCause.LEASE_LOST or (
+            reason.cause is StopCause.PEER_LOST and coord.member_id in reason.lost)
+        return Loss(reason.detail, 0.0 if own else self._join_timeout_s())
 
     def abandon(self, group: FormedGroup, why: str) -> bool:
-        """Make every pending and later collective of ``group`` fail now, on this rank and
-        on the ranks connected to it. No-op unless ``group`` is still the current one."""
+        """Make every pending and later collective of ``group`` fail now on this rank (the
+        other ranks abandon it by themselves). No-op unless ``group`` is still the current
+        one."""
         with self._lock:
             if group is not self.current:
                 return False
@@ -388,11 +397,18 @@ class GroupManager:
             except Exception as exc:
                 log.warning("could not abort generation %d's nccl groups: %s", n, exc)
                 return False
-        elif connections.cut(flush_s=_FLUSH_BEFORE_CUT_S) == 0:
-            log.warning("%s, but generation %d has no connection left to cut; its collectives "
-                        "end at the collective timeout (%.0f s)", why, n,
-                        self.collective_timeout_s)
-            return False
+        else:
+            connections.make_room(_FLUSH_BEFORE_CUT_S)
+            with self._lock:  # a teardown meanwhile (destroy) must find them held, or do it
+                if group is not self.current:
+                    return False  # the training thread left it; its teardown cut it
+                held = connections.shut_for_reading()
+                self._held.hold(held)
+            if not held:
+                log.warning("%s, but generation %d has no connection left to cut; its "
+                            "collectives end at the collective timeout (%.0f s)", why, n,
+                            self.collective_timeout_s)
+                return False
         self.stats.collective_abandoned()
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
