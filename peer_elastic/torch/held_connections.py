@@ -8,7 +8,7 @@ fails before the loop has read that the connection ended, and gloo queues a fail
 if the socket were merely full; its error path wakes every wait of the pair except such a
 queued send (``gloo/transport/tcp/pair.cc``, ``Pair::write``, ``Pair::signalException``).
 The woken member then waited out the collective timeout before it could rejoin: in 7 of 27
-stops of the test suite's SIGSTOP tests (5 of the 11 with DDP over a subgroup), none of 24
+stops of the test suite's SIGSTOP tests (5 of the 11 with DDP over a subgroup), none of 36
 since.
 
 So an abandon shuts its connections for reading only, which ends this rank's operations
