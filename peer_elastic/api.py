@@ -33,6 +33,7 @@ from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import NoopMetrics, PeerMetrics
 from peer_elastic.netaddr import ProbeListener, select_address
+from peer_elastic.signal_relay import SignalRelay
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def join(
         client.close()
         raise
     peer: Peer | None = None
-    previous_handler: Any = None
+    on_sigterm: SignalRelay | None = None
     _enter_open_joins()
     try:
         coord.start()
@@ -149,7 +150,7 @@ def join(
         peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
                           abandon_hung_collectives)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGTERM, _leave_on_signal(coord))
+            on_sigterm = SignalRelay((signal.SIGTERM,), _leave_on_signal(coord)).install()
         _active = peer
         yield peer
     except JobFinished as exc:
@@ -163,8 +164,8 @@ def join(
         raise SystemExit(EXIT_JOB_FAILED) from None
     finally:
         _active = None
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        if on_sigterm is not None:
+            on_sigterm.uninstall()
         if peer is not None:
             peer.close()
         coord.close(leave=True)
@@ -207,21 +208,24 @@ def _make_peer(coord: Coordinator, metrics: PeerMetrics | NoopMetrics, local_ran
     return peer
 
 
-def _leave_on_signal(coord: Coordinator) -> Callable[[int, Any], None]:
-    def handler(signum: int, frame: Any) -> None:
+def _leave_on_signal(coord: Coordinator) -> Callable[[int], None]:
+    """What SIGTERM does, on the signal relay's thread (never in the handler: see
+    :mod:`peer_elastic.signal_relay`): the first asks to leave, later ones only say so."""
+    asked = threading.Event()
+
+    def leave(signum: int) -> None:
+        if asked.is_set():
+            log.info("signal %d: already leaving job %s", signum, coord.job)
+            return
+        asked.set()
         log.info("signal %d: leaving job %s gracefully", signum, coord.job)
         coord.drain_requested.set()
-        # etcd I/O does not belong in a signal handler: do it from a thread.
-        threads.start(_request_leave, "peer-elastic-leave", args=(coord,))
+        try:
+            coord.request_leave("SIGTERM")
+        except PeerElasticError as exc:
+            log.error("could not request a graceful leave: %s", exc)
 
-    return handler
-
-
-def _request_leave(coord: Coordinator) -> None:
-    try:
-        coord.request_leave("SIGTERM")
-    except PeerElasticError as exc:
-        log.error("could not request a graceful leave: %s", exc)
+    return leave
 
 
 def run(func: Callable[..., R]) -> Callable[..., R]:

@@ -25,6 +25,7 @@ from peer_elastic.errors import ConfigError, EtcdError, EtcdUnavailable, PeerEla
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
 from peer_elastic.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK
+from peer_elastic.signal_relay import SignalRelay
 
 if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
     from peer_elastic.ops.ranks import RankTracker
@@ -337,16 +338,14 @@ def cmd_etcd(args: argparse.Namespace) -> int:
           file=sys.stderr)
     # Ctrl-C and SIGTERM only set an event: a KeyboardInterrupt raised in the middle of
     # Popen.poll() can leave its internal wait lock held, and stop() then could not reap etcd.
+    # Set off the handler (peer_elastic.signal_relay): a repeated Ctrl-C must not deadlock.
     stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while server.running and not stopping.wait(0.5):
-            pass
-    finally:
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with SignalRelay((signal.SIGINT, signal.SIGTERM), lambda _signum: stopping.set()):
+        try:
+            while server.running and not stopping.wait(0.5):
+                pass
+        finally:
+            server.stop()
     return EXIT_INTERRUPTED if stopping.is_set() else EXIT_OK
 
 
@@ -506,16 +505,14 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             return EXIT_FAILED
         print(f"peer-elastic: dashboard of job {args.job} at {dash.url} (Ctrl-C stops it)",
               file=sys.stderr, flush=True)
-        # Signals only set an event: the serving threads stop in an orderly way.
+        # Signals only set an event (off the handler: peer_elastic.signal_relay): the
+        # serving threads stop in an orderly way.
         stopping = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stopping.set())
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            stopping.wait()
-        finally:
-            dash.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with SignalRelay((signal.SIGINT, signal.SIGTERM), lambda _signum: stopping.set()):
+            try:
+                stopping.wait()
+            finally:
+                dash.stop()
     return EXIT_INTERRUPTED
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.procs import Cluster, PeerProc, callback_digests
+from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, callback_digests
 from tests.test_partition import GEN_LINE
 
 pytestmark = pytest.mark.slow
@@ -186,6 +186,21 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
     (late,) = cluster.start(1, **env)
     assert late.wait(60) == 0, late.output()
     assert "already finished successfully" in late.output()
+
+
+def test_a_burst_of_sigterms_is_one_graceful_leave(cluster: Cluster) -> None:
+    # SIGTERM comes more than once in the wild: Ctrl-C twice, a supervisor's repeat, the
+    # kernel's parent-death signal again for an orphan. Handled in the signal handler, a
+    # burst once left a peer stuck for good, nested in itself (peer_elastic.signal_relay;
+    # 1 of 5 such bursts before). Now it is one leave: the leaver exits 0, the other trains
+    # on alone and the job ends exactly once.
+    a, b = cluster.start(2)
+    a.wait_line("GEN")
+    wait_steps(a, 2)
+    for _ in range(200):
+        b.signal(signal.SIGTERM)
+    assert b.wait(60) == 0, b.output()
+    assert_exactly_once([a, b])
 
 
 def test_sigterm_below_min_np_lets_the_leaver_go_and_the_rest_wait(cluster: Cluster) -> None:

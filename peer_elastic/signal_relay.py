@@ -1,0 +1,98 @@
+"""Signals handled on a thread of their own: the signal handler itself takes no lock.
+
+Why: a Python signal handler runs in the main thread between two bytecodes, wherever that
+thread is, inside a lock it holds included, and inside the same handler still running for
+the signal before. A peer's SIGTERM handler used to set an ``Event`` and start a thread:
+both take locks (the event's condition, the thread bookkeeping). A second SIGTERM that
+came while the first run held such a lock ran the handler again, nested, and that run
+waited forever for the lock its own outer run held. Measured: of 5 peers sent 200
+SIGTERMs within about 0.2 s, one stayed stuck for good, its main thread in nested
+``Event.set``; CI saw a peer of a SIGKILLed ``peer-elastic run`` never exit, its main
+thread blocked in five nested handler runs. Repeats are ordinary: an operator presses
+Ctrl-C twice, a supervisor repeats its SIGTERM, and the kernel sends an orphan's
+parent-death signal again whenever the thread that adopted it exits.
+
+So :class:`SignalRelay`'s handler only writes the signal's number to a pipe (``os.write``:
+no Python lock; when the pipe is full a byte is already waiting, and one is enough), and a
+thread of its own reads the pipe and calls the action, once per signal number per read.
+
+One job: move a signal from its handler to a thread. What the signal means is the
+caller's action.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from types import FrameType, TracebackType
+from typing import Any
+
+from peer_elastic import threads
+
+__all__ = ["SignalRelay"]
+
+log = logging.getLogger(__name__)
+
+
+class SignalRelay:
+    """While installed, each of ``signals`` calls ``action(signum)`` on the relay's thread.
+
+    Install from the main thread (Python's rule for signal handlers); :meth:`uninstall`
+    puts the previous handlers back and lets the thread end after the action in progress.
+    Also a context manager.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals], action: Callable[[int], Any],
+                 name: str = "peer-elastic-signals") -> None:
+        self._signals = tuple(signals)
+        self._action = action
+        self._name = name
+        self._previous: dict[signal.Signals, Any] = {}
+        self._write_fd = -1
+        self.thread: threading.Thread | None = None
+
+    def install(self) -> SignalRelay:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # a handler never blocks, whatever arrives
+        self._write_fd = write_fd
+        self.thread = threads.start(self._relay, self._name, args=(read_fd,))
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            # None: the previous handler was not set from Python; the default is closest.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+        if self._write_fd >= 0:
+            os.close(self._write_fd)  # the relay reads end-of-file and ends
+            self._write_fd = -1
+
+    def __enter__(self) -> SignalRelay:
+        return self.install()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.uninstall()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Runs anywhere in the main thread, maybe nested in itself: no locks, no logging.
+        try:
+            os.write(self._write_fd, bytes((signum,)))
+        except OSError:  # full (a byte is waiting already) or uninstalled meanwhile
+            pass
+
+    def _relay(self, read_fd: int) -> None:
+        try:
+            while chunk := os.read(read_fd, 64):
+                for signum in dict.fromkeys(chunk):  # a burst of one signal acts once
+                    try:
+                        self._action(signum)
+                    except Exception:
+                        log.exception("handling signal %d failed", signum)
+        finally:
+            os.close(read_fd)

@@ -1,0 +1,74 @@
+"""SignalRelay on real signals sent to this process (pytest runs tests in the main thread,
+where Python runs signal handlers). The real peers' SIGTERM burst is in test_elastic.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from peer_elastic.signal_relay import SignalRelay
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+
+
+def test_a_burst_of_signals_acts_on_the_relay_thread_while_the_main_thread_holds_a_lock(
+) -> None:
+    # The old handlers took locks themselves; nested in one another by a burst, one waited
+    # for a lock its own outer run held. Here the main thread even holds the lock the
+    # action takes while the signals come: the handler takes none, so nothing waits.
+    lock = threading.Lock()
+    seen: list[tuple[int, str]] = []
+    acted = threading.Event()
+
+    def action(signum: int) -> None:
+        with lock:
+            seen.append((signum, threading.current_thread().name))
+        acted.set()
+
+    before = signal.getsignal(signal.SIGUSR1)
+    relay = SignalRelay((signal.SIGUSR1, signal.SIGUSR2), action, name="test-relay").install()
+    try:
+        with lock:
+            for i in range(500):
+                os.kill(os.getpid(), signal.SIGUSR1 if i % 2 else signal.SIGUSR2)
+        assert acted.wait(30)
+    finally:
+        relay.uninstall()
+    assert relay.thread is not None
+    relay.thread.join(30)
+    assert not relay.thread.is_alive()  # it ends once uninstalled
+    assert seen and {name for _, name in seen} == {"test-relay"}
+    assert {signum for signum, _ in seen} <= {signal.SIGUSR1, signal.SIGUSR2}
+    assert len(seen) < 500  # a burst of one signal acts once per read, not once per signal
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_a_failing_action_is_logged_and_the_next_signal_still_acts(caplog) -> None:
+    calls: list[int] = []
+    first, second = threading.Event(), threading.Event()
+
+    def action(signum: int) -> None:
+        calls.append(signum)
+        if len(calls) == 1:
+            first.set()
+            raise RuntimeError("first one fails")
+        second.set()
+
+    with SignalRelay((signal.SIGUSR1,), action):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert first.wait(30)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert second.wait(30)
+    assert "handling signal" in caplog.text and "first one fails" in caplog.text
+
+
+def test_uninstall_puts_the_previous_handler_back_and_may_be_repeated() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    relay = SignalRelay((signal.SIGUSR2,), lambda signum: None).install()
+    assert signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None)
+    relay.uninstall()
+    relay.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
