@@ -42,7 +42,10 @@ class SignalRelay:
 
     Install from the main thread (Python's rule for signal handlers); :meth:`uninstall`
     puts the previous handlers back and lets the thread end after the action in progress.
-    Also a context manager.
+    A signal that came while installed is ignored from then on instead: the process is on
+    its way out because of it, and a repeat of the same burst must not kill it midway (a
+    peer left within 0.15 s of the first of 200 SIGTERMs and died of a later one, exit
+    -15 instead of 0). Also a context manager.
     """
 
     def __init__(self, signals: Iterable[signal.Signals], action: Callable[[int], Any],
@@ -51,6 +54,7 @@ class SignalRelay:
         self._action = action
         self._name = name
         self._previous: dict[signal.Signals, Any] = {}
+        self._received: set[int] = set()  # added to by the handler (atomic under the GIL)
         self._write_fd = -1
         self.thread: threading.Thread | None = None
 
@@ -65,8 +69,11 @@ class SignalRelay:
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
-            # None: the previous handler was not set from Python; the default is closest.
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+            if sig in self._received:
+                previous = signal.SIG_IGN
+            elif previous is None:  # not set from Python: the default is closest
+                previous = signal.SIG_DFL
+            signal.signal(sig, previous)
         self._previous.clear()
         if self._write_fd >= 0:
             os.close(self._write_fd)  # the relay reads end-of-file and ends
@@ -81,6 +88,7 @@ class SignalRelay:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Runs anywhere in the main thread, maybe nested in itself: no locks, no logging.
+        self._received.add(signum)
         try:
             os.write(self._write_fd, bytes((signum,)))
         except OSError:  # full (a byte is waiting already) or uninstalled meanwhile
