@@ -9,8 +9,8 @@ waited forever for the lock its own outer run held. Measured: of 5 peers sent 20
 SIGTERMs within about 0.2 s, one stayed stuck for good, its main thread in nested
 ``Event.set``; CI saw a peer of a SIGKILLed ``peer-elastic run`` never exit, its main
 thread blocked in five nested handler runs. Repeats are ordinary: an operator presses
-Ctrl-C twice, a supervisor repeats its SIGTERM, and the kernel sends an orphan's
-parent-death signal again whenever the thread that adopted it exits.
+Ctrl-C twice, a supervisor repeats its SIGTERM, and an orphan's parent-death signal can come
+again after it was reparented (``prctl(2)``: when a subreaper it went to ends).
 
 So :class:`SignalRelay`'s handler only writes the signal's number to a pipe (``os.write``:
 no Python lock; when the pipe is full a byte is already waiting, and one is enough), and a
