@@ -129,7 +129,6 @@ class GroupConnections:
 
     def __init__(self, inodes: Iterable[int] = ()) -> None:
         self.inodes = frozenset(inodes)
-        self.cut_count = 0
 
     @classmethod
     @contextlib.contextmanager
@@ -162,9 +161,7 @@ class GroupConnections:
 
     def merged(self, other: GroupConnections) -> GroupConnections:
         """These connections and ``other``'s (a group's subgroups made after it formed)."""
-        both = GroupConnections(self.inodes | other.inodes)
-        both.cut_count = self.cut_count + other.cut_count
-        return both
+        return GroupConnections(self.inodes | other.inodes)
 
     def cut(self, flush_s: float = 0.0) -> int:
         """Shut down every remembered connection that is still open; return how many.
@@ -191,7 +188,6 @@ class GroupConnections:
                     count += 1
                 except OSError:  # already reset by the other side
                     pass
-        self.cut_count += count
         return count
 
     def make_room(self, settle_s: float) -> None:
@@ -219,14 +215,11 @@ class GroupConnections:
                 sock.close()
                 continue
             held.append(sock)
-        self.cut_count += len(held)
         return held
 
     def without(self, inodes: Collection[int]) -> GroupConnections:
         """These connections but ``inodes``."""
-        rest = GroupConnections(self.inodes - frozenset(inodes))
-        rest.cut_count = self.cut_count
-        return rest
+        return GroupConnections(self.inodes - frozenset(inodes))
 
     def _open(self) -> Iterator[socket.socket]:
         """A duplicate of each remembered connection still open (the caller closes it)."""
