@@ -219,8 +219,7 @@ def _leave_on_signal(coord: Coordinator) -> Callable[[int], None]:
             return
         asked.set()
         log.info("signal %d: leaving job %s gracefully", signum, coord.job)
-        coord.drain_requested.set()
-        try:
+        try:  # request_leave sets drain_requested first, then writes the drain
             coord.request_leave("SIGTERM")
         except PeerElasticError as exc:
             log.error("could not request a graceful leave: %s", exc)
