@@ -334,13 +334,14 @@ def cmd_etcd(args: argparse.Namespace) -> int:
     server = EtcdServer(data_dir=args.data_dir, client_port=args.port, log_file=None,
                         die_with_parent=True)
     server.start()
-    print(f"etcd running at {server.endpoint} (data in {args.data_dir}); Ctrl-C stops it",
-          file=sys.stderr)
     # Ctrl-C and SIGTERM only set an event: a KeyboardInterrupt raised in the middle of
     # Popen.poll() can leave its internal wait lock held, and stop() then could not reap etcd.
     # Set off the handler (peer_elastic.signal_relay): a repeated Ctrl-C must not deadlock.
+    # Relayed before the line that says it runs: whoever reads it may signal at once.
     stopping = threading.Event()
     with SignalRelay((signal.SIGINT, signal.SIGTERM), lambda _signum: stopping.set()):
+        print(f"etcd running at {server.endpoint} (data in {args.data_dir}); Ctrl-C stops it",
+              file=sys.stderr)
         try:
             while server.running and not stopping.wait(0.5):
                 pass
@@ -503,12 +504,13 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             print(f"peer-elastic: cannot serve on {args.host}:{args.port}: {exc}",
                   file=sys.stderr)
             return EXIT_FAILED
-        print(f"peer-elastic: dashboard of job {args.job} at {dash.url} (Ctrl-C stops it)",
-              file=sys.stderr, flush=True)
         # Signals only set an event (off the handler: peer_elastic.signal_relay): the
-        # serving threads stop in an orderly way.
+        # serving threads stop in an orderly way. Relayed before the line that says it
+        # serves: whoever reads it may signal at once.
         stopping = threading.Event()
         with SignalRelay((signal.SIGINT, signal.SIGTERM), lambda _signum: stopping.set()):
+            print(f"peer-elastic: dashboard of job {args.job} at {dash.url} (Ctrl-C stops it)",
+                  file=sys.stderr, flush=True)
             try:
                 stopping.wait()
             finally:
