@@ -8,6 +8,7 @@ is needed. Every wait is bounded.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -34,21 +35,31 @@ class Browser:
     """One headless Chromium with one page attached (``goto``, ``evaluate``, ``screenshot``)."""
 
     def __init__(self, binary: str, profile: Path, width: int = 1280, height: int = 1500) -> None:
+        profile.mkdir(parents=True, exist_ok=True)
+        # Chromium's own messages, kept so that a failure can say why it ended.
+        self.log_path = profile.parent / f"{profile.name}.chromium.log"
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
-
-        def fds() -> None:  # in the child: the pipe ends on the fds Chromium expects
-            os.dup2(to_child_r, 3)
-            os.dup2(from_child_w, 4)
-
-        self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-dev-shm-usage", "--remote-debugging-pipe", f"--user-data-dir={profile}",
-             f"--window-size={width},{height}", "about:blank"],
-            preexec_fn=fds, pass_fds=(3, 4), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        os.close(to_child_r)
-        os.close(from_child_w)
+        # Chromium wants its pipe ends on fds 3 and 4. No Python runs in the child to put them
+        # there (a ``preexec_fn``): this process holds gRPC threads, whose fork handler
+        # starts a poller in the child whose epoll fd a dup2 onto 3 or 4 could close, and
+        # Chromium then died of SIGABRT before it ran (2 runs in 19). bash moves them at exec.
+        # The ends are first put at 10 or above, so that moving one cannot overwrite the other.
+        read_end = fcntl.fcntl(to_child_r, fcntl.F_DUPFD, 10)
+        write_end = fcntl.fcntl(from_child_w, fcntl.F_DUPFD, 10)
+        for fd in (to_child_r, from_child_w):
+            os.close(fd)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", f'exec "$@" 3<&{read_end} 4>&{write_end} '
+                 f'{read_end}<&- {write_end}>&-', "chromium",
+                 binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 "--disable-dev-shm-usage", "--remote-debugging-pipe",
+                 f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
+                pass_fds=(read_end, write_end), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        os.close(read_end)
+        os.close(write_end)
         self._next = 0
         self._answers: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
@@ -84,16 +95,30 @@ class Browser:
         msg: dict[str, Any] = {"id": mid, "method": method, "params": params}
         if session:
             msg["sessionId"] = session
-        os.write(self._to_child, json.dumps(msg).encode() + b"\0")
+        try:
+            os.write(self._to_child, json.dumps(msg).encode() + b"\0")
+        except OSError as e:
+            raise AssertionError(f"chromium cannot take {method} ({e}); {self._ended()}") from e
         with self._cond:
             ok = self._cond.wait_for(lambda: mid in self._answers or not self._reader.is_alive(),
                                      timeout)
             answer = self._answers.pop(mid, None)
         if not ok or answer is None:
-            raise AssertionError(f"chromium gave no answer to {method} in {timeout} s")
+            raise AssertionError(f"chromium gave no answer to {method} in {timeout} s; "
+                                 + self._ended())
         if "error" in answer:
             raise PageError(f"chromium: {method}: {answer['error']}")
         return answer.get("result", {})
+
+    def _ended(self) -> str:
+        """Whether Chromium is still running, and the end of what it wrote."""
+        code = self.proc.poll()
+        state = "still running" if code is None else f"it ended with {code}"
+        try:
+            tail = self.log_path.read_bytes()[-3000:].decode(errors="replace")
+        except OSError:
+            tail = ""
+        return f"{state}; its log ends:\n{tail}"
 
     def goto(self, url: str) -> None:
         target = self.call("Target.createTarget", url=url)["targetId"]
