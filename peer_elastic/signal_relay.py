@@ -18,6 +18,13 @@ thread of its own reads the pipe and calls the action, once per signal number pe
 
 One job: move a signal from its handler to a thread. What the signal means is the
 caller's action.
+
+A child forked while a relay is installed (a DataLoader worker, forked from the training
+process) gets the handlers from before the relay back, and lets go of the pipe. Else its
+handler would write into the parent's pipe: a SIGTERM sent to the worker alone (the
+DataLoader's ``terminate()`` of a worker that does not stop) made the *peer* leave the job,
+and the worker lived on; and the parent's relay would not read end-of-file while the child
+held the pipe's write end.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from peer_elastic import threads
 __all__ = ["SignalRelay"]
 
 log = logging.getLogger(__name__)
+
+# The relays installed now. Added to and removed from by the main thread; read in a forked
+# child (atomic operations under the GIL: the child sees the set whole).
+_installed: set[SignalRelay] = set()
 
 
 class SignalRelay:
@@ -56,18 +67,21 @@ class SignalRelay:
         self._previous: dict[signal.Signals, Any] = {}
         self._received: set[int] = set()  # added to by the handler (atomic under the GIL)
         self._write_fd = -1
+        self._read_fd = -1
         self.thread: threading.Thread | None = None
 
     def install(self) -> SignalRelay:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # a handler never blocks, whatever arrives
-        self._write_fd = write_fd
+        self._write_fd, self._read_fd = write_fd, read_fd
         self.thread = threads.start(self._relay, self._name, args=(read_fd,))
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _installed.add(self)
         return self
 
     def uninstall(self) -> None:
+        _installed.discard(self)
         for sig, previous in self._previous.items():
             if sig in self._received:
                 previous = signal.SIG_IGN
@@ -78,6 +92,22 @@ class SignalRelay:
         if self._write_fd >= 0:
             os.close(self._write_fd)  # the relay reads end-of-file and ends
             self._write_fd = -1
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: the handlers from before the relay, and no pipe (why: the
+        module docstring). The relay's thread exists only in the parent."""
+        for sig, previous in self._previous.items():
+            try:
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+            except (ValueError, OSError):  # pragma: no cover - forked from a subinterpreter
+                pass
+        self._previous.clear()
+        for fd in (self._write_fd, self._read_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._write_fd = self._read_fd = -1
 
     def __enter__(self) -> SignalRelay:
         return self.install()
@@ -104,3 +134,12 @@ class SignalRelay:
                         log.exception("handling signal %d failed", signum)
         finally:
             os.close(read_fd)
+
+
+def _in_child() -> None:
+    for relay in tuple(_installed):
+        relay._forget_in_child()
+    _installed.clear()
+
+
+os.register_at_fork(after_in_child=_in_child)

@@ -4,6 +4,7 @@ where Python runs signal handlers). The real peers' SIGTERM burst is in test_ela
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 
@@ -77,3 +78,50 @@ def test_uninstall_puts_back_the_handler_of_a_signal_that_never_came() -> None:
     relay.uninstall()
     relay.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_a_forked_child_gets_the_handler_from_before_and_its_signal_stays_its_own() -> None:
+    # A DataLoader worker is forked from the training process while join()'s relay is
+    # installed. Its SIGTERM (the DataLoader's terminate()) must end the worker, not reach
+    # the peer's relay through the inherited pipe (the peer left the job, the worker lived).
+    seen: list[int] = []
+    usr2 = threading.Event()
+
+    def action(signum: int) -> None:
+        seen.append(signum)
+        if signum == signal.SIGUSR2:
+            usr2.set()
+
+    # What the child must get back (an earlier relay here may have left SIG_IGN).
+    outer = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    relay = SignalRelay((signal.SIGUSR1, signal.SIGUSR2), action, name="test-relay").install()
+    try:
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: say it runs (the fork hooks ran before), then wait
+            try:
+                os.write(ready_w, b"x")
+                signal.pause()
+            finally:
+                os._exit(3)  # only if the signal did not end it
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"x"
+        os.close(ready_r)
+        os.kill(pid, signal.SIGUSR1)
+        pidfd = os.pidfd_open(pid)
+        try:
+            if not select.select([pidfd], [], [], 30)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError("the child lived on after SIGUSR1")
+        finally:
+            os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1
+        # The pipe is first in, first out: had the child written SIGUSR1 into it, the relay
+        # would have read that before this.
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert usr2.wait(30)
+    finally:
+        relay.uninstall()
+        signal.signal(signal.SIGUSR1, outer)
+    assert seen == [signal.SIGUSR2]
