@@ -32,7 +32,8 @@ from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import NoopMetrics, PeerMetrics
-from peer_elastic.netaddr import ProbeListener, select_address
+from peer_elastic.netaddr import select_address
+from peer_elastic.probe_listener import ProbeListener
 from peer_elastic.signal_relay import SignalRelay
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,10 @@ In cases 1, 2 and 4 (non-loopback) the interface is handed to gloo (and nccl) th
 ignores ``pg_options`` for gloo). gloo then binds to the interface's first address, which is
 what the peer advertises (:attr:`NetChoice.address`, the member record's ``net_address``).
 
-:class:`ProbeListener` accepts TCP connections on that address, so that before a group is
-formed every peer can check that it reaches every other (:func:`probe`): an unreachable
-peer is named with its address and the fix, instead of a gloo timeout later.
+:class:`~peer_elastic.probe_listener.ProbeListener` accepts TCP connections on that
+address, so that before a group is formed every peer can check that it reaches every other
+(:func:`probe`): an unreachable peer is named with its address and the fix, instead of a
+gloo timeout later.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.errors import ConfigError
 from peer_elastic.settings_table import NET_ADDR, NET_IFNAME
 
@@ -214,42 +214,6 @@ def plain_ip(address: str) -> str:
 
 def host_port(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
-class ProbeListener:
-    """A TCP listener on the group address that accepts and closes (reachability probes)."""
-
-    def __init__(self, address: str) -> None:
-        fam = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self._sock = socket.socket(fam, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((address, 0))
-        # A stopped process still "answers" while its kernel queues connections: keep room
-        # for every peer's probes of a long stop (each prober: 1-2 per round).
-        self._sock.listen(1024)
-        self.address = address
-        self.port = int(self._sock.getsockname()[1])
-        self._closed = False
-        self._thread = threads.start(self._serve, "peer-elastic-probe")
-
-    def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.close()
-
-    def close(self, wait_s: float = 5.0) -> None:
-        """Stop listening; wait (bounded) for the thread, which must not outlive the peer
-        (peer_elastic.threads)."""
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()
-        except OSError:
-            pass
-        self._sock.close()
-        self._thread.join(wait_s)
 
 
 def probe(address: str, port: int, timeout: float = 2.0, attempts: int = 2) -> str | None:

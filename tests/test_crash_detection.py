@@ -9,9 +9,12 @@ oracle.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +103,68 @@ def test_killed_member_and_killed_leader_are_dropped_long_before_join_timeout(
     assert r["exact"] and r["identical"] and r["world"] == 1, r
     assert "confirmed dead: connection refused" in b.output() or \
         "confirmed dead: connection refused" in a.output(), "the drop must name its evidence"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a peer's DataLoader workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_job(
+        cluster: Cluster, tmp_path) -> None:
+    """Processes a peer forks mid-run hold a copy of every descriptor. DataLoader workers
+    stalled in their dataset outlive a SIGKILLed peer: its gloo connections and probe
+    listener must still close with it (peer_elastic.parent_only_sockets). With the workers
+    holding them the others got no reset and no refused probe, and waited for its lease
+    (SLOW here; 4.3 s instead of 0.12 s where the workers' 5 s parent check ended them).
+    Then each survivor re-enters its training function and stops the helper process it
+    forked (``terminate()``): that SIGTERM must end the helper, not reach the peer through
+    the handler the helper inherited (peer_elastic.signal_relay): the peer left the job, and
+    the helper lived on.
+    """
+    end, hold = tmp_path / "end", tmp_path / "hold"
+    a, b, c = start_world_of_3(*cluster.start(
+        3, WORKER_END_FILE=end, WORKER_LOADER_WORKERS=1, WORKER_LOADER_HOLD=hold,
+        WORKER_FORKED_HELPER=1))
+    dead_peers_children = children(c.pid)
+    try:
+        assert len(dead_peers_children) >= 2, f"c forked no children:\n{c.output()}"
+        c.signal(signal.SIGKILL)
+        took = wait_world(a, 2, SLOW)
+        assert all(alive(w) for w in dead_peers_children), "c's children must outlive it"
+        assert took < FAST, f"world of 2 after {took:.1f} s: the death was not confirmed"
+        for p in (a, b):  # re-entered: each stopped its first helper
+            line = p.wait_line("HELPER", timeout=90)
+            assert line.endswith(" ended"), f"{p.name}: {line}\n{p.output()}"
+        wait_steps(a, 3)
+        wait_steps(b, 3)
+    finally:
+        hold.touch()
+        for w in dead_peers_children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+    end.touch()
+    for p in (a, b):
+        assert p.wait(180) == 0, p.output()
+    (r,) = results([a, b])
+    assert r["exact"] and r["identical"] and r["world"] == 2, r
 
 
 def test_a_stopped_member_is_not_taken_for_dead(etcd: str, unique_job: str, tmp_path) -> None:

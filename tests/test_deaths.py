@@ -19,7 +19,7 @@ from peer_elastic.etcd.deaths import (
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.netaddr import ProbeListener
+from peer_elastic.probe_listener import ProbeListener
 from peer_elastic.records import GenerationRecord, MemberRecord, RunRecord
 from tests.test_leader import FakeWrites
 

@@ -14,7 +14,8 @@ import pytest
 from peer_elastic import threads
 from peer_elastic.errors import EtcdError
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.netaddr import ProbeListener, probe
+from peer_elastic.netaddr import probe
+from peer_elastic.probe_listener import ProbeListener
 from tests.helpers.at_exit import PREFIX
 from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left
 

@@ -11,12 +11,12 @@ import pytest
 from peer_elastic.errors import ConfigError
 from peer_elastic.netaddr import (
     GLOO_IFNAME,
-    ProbeListener,
     interface_addresses,
     plain_ip,
     probe,
     select_address,
 )
+from peer_elastic.probe_listener import ProbeListener
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import sys
 import threading
@@ -46,44 +45,9 @@ from typing import Generic, Protocol, TypeVar
 
 from peer_elastic import threads
 from peer_elastic.netaddr import plain_ip
+from peer_elastic.process_sockets import open_socket, socket_inodes
 
 log = logging.getLogger(__name__)
-
-_FD_DIR = "/proc/self/fd"
-
-
-def socket_inodes() -> dict[int, int]:
-    """``{socket inode: fd}`` of this process (empty where ``/proc`` is missing)."""
-    out: dict[int, int] = {}
-    try:
-        names = os.listdir(_FD_DIR)
-    except OSError:
-        return out
-    for name in names:
-        try:
-            target = os.readlink(f"{_FD_DIR}/{name}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            out[int(target[8:-1])] = int(name)
-    return out
-
-
-def _open_socket(fd: int, inode: int) -> socket.socket | None:
-    """A duplicate of ``fd`` if it still is socket ``inode`` (fds are reused), else None."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        if os.fstat(dup).st_ino != inode:
-            os.close(dup)
-            return None
-        return socket.socket(fileno=dup)  # owns dup; family and type read from the kernel
-    except OSError:
-        os.close(dup)
-        return None
-
 
 def _peer_of(sock: socket.socket) -> tuple[str, int] | None:
     """The remote (host, port) of a connected TCP socket, else None (listeners included)."""
@@ -103,7 +67,7 @@ def _connections(skip: Collection[int] = (),
     for inode, fd in socket_inodes().items():
         if inode in skip:
             continue
-        sock = _open_socket(fd, inode)
+        sock = open_socket(fd, inode)
         if sock is None:
             continue
         with sock:
@@ -226,7 +190,7 @@ class GroupConnections:
         by_inode = socket_inodes()
         for inode in self.inodes:
             fd = by_inode.get(inode)
-            if fd is not None and (sock := _open_socket(fd, inode)) is not None:
+            if fd is not None and (sock := open_socket(fd, inode)) is not None:
                 yield sock
 
 

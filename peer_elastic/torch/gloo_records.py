@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from peer_elastic.netaddr import plain_ip
@@ -78,17 +79,26 @@ def parse_gloo_rank(value: bytes, size: int | None = None) -> GlooRankRecord | N
 class GlooListeners:
     """The gloo listeners (plain ip, port) named by the records seen in one generation's
     store: pass :meth:`saw_value` to the store as its hook for values written and read.
-    Thread-safe: the store calls it from whichever thread makes a group."""
+    Thread-safe: the store calls it from whichever thread makes a group. ``on_change`` gets
+    every address seen so far each time one is added (under this object's lock, so that
+    the calls come in order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[frozenset[tuple[str, int]]], None] | None = None,
+                 ) -> None:
         self._seen: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        self._on_change = on_change
 
     def saw_value(self, key: str, value: bytes) -> None:
         record = parse_gloo_rank(value)
         if record is not None:
+            address = (plain_ip(record.host), record.port)
             with self._lock:
-                self._seen.add((plain_ip(record.host), record.port))
+                if address in self._seen:
+                    return
+                self._seen.add(address)
+                if self._on_change is not None:
+                    self._on_change(frozenset(self._seen))
 
     def addresses(self) -> frozenset[tuple[str, int]]:
         with self._lock:

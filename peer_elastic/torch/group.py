@@ -51,6 +51,7 @@ from peer_elastic.etcd.stop import (
 from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
+from peer_elastic.parent_only_sockets import ParentOnlySockets
 from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.gloo_records import GlooListeners
@@ -173,9 +174,13 @@ class GroupManager:
         self.attempts = 0
         self._store: EtcdStore | None = None
         self._connections = GroupConnections()
+        # This peer's gloo sockets, and the connections its abandons hold, are kept from the
+        # processes it forks (DataLoader workers): a child must not keep them open once this
+        # peer dies (peer_elastic.parent_only_sockets).
+        self._parent_only = ParentOnlySockets()
         # The gloo listeners of the current generation's groups, subgroups made at any time
         # in it included: their connections are cut with the group (_group_connections).
-        self._listeners = GlooListeners()
+        self._listeners = self._new_listeners()
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
         self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
         self._held = HeldConnections()  # abandoned groups' connections, kept open (why: there)
@@ -195,7 +200,7 @@ class GroupManager:
             # An abandoned group's connections stay as its abandon left them: open.
             connections = self._group_connections().without(self._held.inodes())
             self._connections = GroupConnections()
-            self._listeners = GlooListeners()
+            self._listeners = self._new_listeners()
         if had_group:
             self.coordinator.view.wake()  # the watchdog looks at the current group
         if dist.is_initialized():
@@ -224,6 +229,7 @@ class GroupManager:
         self._reach.close()
         self._retired.release(wait_s)
         self._held.release()
+        self._parent_only.release()
         restore_default_timeouts(self._torch_defaults)
 
     def form(self, after: int) -> FormedGroup:
@@ -252,7 +258,7 @@ class GroupManager:
                 coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
                 on_stuck=lambda a=a: self._why_forming_is_stuck(a),
             ) if self.backend == "gloo" else None
-            listeners = GlooListeners()
+            listeners = self._new_listeners()
 
             def saw_value(key: str, value: bytes, guard: FormingGuard | None = guard,
                           listeners: GlooListeners = listeners) -> None:
@@ -404,6 +410,7 @@ class GroupManager:
                     return False  # the training thread left it; its teardown cut it
                 held = connections.shut_for_reading()
                 self._held.hold(held)
+                self._parent_only.set(inodes=self._held.inodes())
             if not held:
                 log.warning("%s, but generation %d has no connection left to cut; its "
                             "collectives end at the collective timeout (%.0f s)", why, n,
@@ -603,6 +610,12 @@ class GroupManager:
         if result.arrival is Arrival.TIMED_OUT:
             self._mark_broken(a.generation, f"rendezvous: {result.detail}")
         return False
+
+    def _new_listeners(self) -> GlooListeners:
+        """Listeners whose addresses, and so every connection to or from them, a forked
+        child does not keep; a new set replaces the last one's."""
+        self._parent_only.set(addresses=())
+        return GlooListeners(on_change=lambda seen: self._parent_only.set(addresses=seen))
 
     def _group_connections(self) -> GroupConnections:
         """The current generation's connections: those captured while its group formed, and

@@ -45,6 +45,16 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   test that gives up waiting for the peer sends it).
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
+* ``WORKER_LOADER_WORKERS=n``: each time the training function is entered it starts a
+  ``DataLoader`` with ``n`` worker processes (forked then, mid-run, holding a copy of every
+  descriptor, as a training loop's workers do) and takes its first item; the workers stay
+  until the peer ends. With ``WORKER_LOADER_HOLD=path`` every later item waits until that
+  file exists: the workers sit in the dataset (a stalled data source), where they do not
+  look whether their parent lives.
+* ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
+  helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
+  ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
+  ``multiprocessing`` process with the fork start method, which only sleeps).
 
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
@@ -62,6 +72,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import sys
 import threading
@@ -91,6 +102,9 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
 DDP_SUBGROUP = os.environ.get("WORKER_DDP_SUBGROUP", "")  # "1": in the callback; or "train"
 DDP_HOOK = os.environ.get("WORKER_DDP_HOOK") == "1"
+LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
+LOADER_HOLD = os.environ.get("WORKER_LOADER_HOLD")
+FORKED_HELPER = os.environ.get("WORKER_FORKED_HELPER") == "1"
 if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
@@ -122,6 +136,31 @@ def _named_in_hang_file() -> bool:
             return str(os.getpid()) in f.read().split()
     except (FileNotFoundError, TypeError):
         return False
+
+
+class HeldItems(torch.utils.data.Dataset):
+    """Item 0 at once; the others once WORKER_LOADER_HOLD exists (a stalled data source)."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> int:
+        while i and LOADER_HOLD and not os.path.exists(LOADER_HOLD):
+            time.sleep(0.05)  # a data source that stalls, polled as such sources are
+        return i
+
+
+def restart_helper(helpers: list[multiprocessing.process.BaseProcess]) -> None:
+    """WORKER_FORKED_HELPER: stop the last helper (SIGTERM), say whether it ended, fork one."""
+    if helpers:
+        old = helpers.pop()
+        old.terminate()
+        old.join(30)
+        say("HELPER", old.pid, "alive" if old.is_alive() else "ended")
+    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,),
+                                                         daemon=True)
+    helper.start()
+    helpers.append(helper)
 
 
 def hang_forever(epoch: int, batch: int, generation: int) -> None:
@@ -226,6 +265,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
                               epoch=0, **plain)
         seen_sizes: list[int] = []
         holder: dict[str, nn.Module] = {}
+        loaders: list[object] = []  # WORKER_LOADER_WORKERS: iterators, their workers alive
+        helpers: list[multiprocessing.process.BaseProcess] = []  # WORKER_FORKED_HELPER
 
         def rebuild_ddp() -> None:
             # Each generation has a new process group: DDP must be rebuilt on it.
@@ -249,6 +290,12 @@ def _main(stall_stacks: StallStacks | None) -> int:
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
             if USE_DDP and DDP_SUBGROUP == "train":
                 rebuild_ddp()  # here, not in a reset callback: its connections open mid-run
+            if FORKED_HELPER:
+                restart_helper(helpers)
+            if LOADER_WORKERS:  # kept to the end: deleting one waits for its workers
+                loaders.append(iter(torch.utils.data.DataLoader(
+                    HeldItems(), num_workers=LOADER_WORKERS)))
+                next(loaders[-1])
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
             # epochs; ending mid-epoch would leave a part-trained epoch it calls wrong).

@@ -1,0 +1,48 @@
+"""This process's sockets, found by their inodes in ``/proc/self/fd`` (Linux).
+
+Sockets that other code owns (gloo's, gRPC's) are known to us only this way: by the inode
+that names a socket for as long as it is open, and the descriptor that holds it now.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["open_socket", "socket_inodes"]
+
+_FD_DIR = "/proc/self/fd"
+
+
+def socket_inodes() -> dict[int, int]:
+    """``{socket inode: fd}`` of this process (empty where ``/proc`` is missing)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"{_FD_DIR}/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def open_socket(fd: int, inode: int) -> socket.socket | None:
+    """A duplicate of ``fd`` if it still is socket ``inode`` (fds are reused), else None.
+    Closing the returned object closes only the duplicate."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            os.close(dup)
+            return None
+        return socket.socket(fileno=dup)  # owns dup; family and type read from the kernel
+    except OSError:
+        os.close(dup)
+        return None
