@@ -48,13 +48,15 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_LOADER_WORKERS=n``: each time the training function is entered it starts a
   ``DataLoader`` with ``n`` worker processes (forked then, mid-run, holding a copy of every
   descriptor, as a training loop's workers do) and takes its first item; the workers stay
-  until the peer ends. With ``WORKER_LOADER_HOLD=path`` every later item waits until that
-  file exists: the workers sit in the dataset (a stalled data source), where they do not
-  look whether their parent lives.
+  until the function is entered again (a new DataLoader replaces it; its idle workers
+  exit). With ``WORKER_LOADER_HOLD=path`` every later item waits until that file exists:
+  the workers sit in the dataset (a stalled data source), where they do not look whether
+  their parent lives; those DataLoaders are all kept until the peer ends.
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
-  ``multiprocessing`` process with the fork start method, which only sleeps).
+  ``multiprocessing`` process with the fork start method, which sleeps until it is stopped
+  or its parent ends).
 
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
@@ -74,15 +76,18 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
+from peer_elastic.parent_death import die_with_parent
 from tests.helpers import at_exit
 from tests.helpers.stall_stacks import StallStacks
 
@@ -150,6 +155,12 @@ class HeldItems(torch.utils.data.Dataset):
         return i
 
 
+def sleep_until_parent_ends(set_parent_death_signal: Callable[[], None] | None) -> None:
+    if set_parent_death_signal is not None:
+        set_parent_death_signal()  # a SIGKILLed peer leaves no helper behind
+    threading.Event().wait()
+
+
 def restart_helper(helpers: list[multiprocessing.process.BaseProcess]) -> None:
     """WORKER_FORKED_HELPER: stop the last helper (SIGTERM), say whether it ended, fork one."""
     if helpers:
@@ -157,8 +168,8 @@ def restart_helper(helpers: list[multiprocessing.process.BaseProcess]) -> None:
         old.terminate()
         old.join(30)
         say("HELPER", old.pid, "alive" if old.is_alive() else "ended")
-    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,),
-                                                         daemon=True)
+    helper = multiprocessing.get_context("fork").Process(
+        target=sleep_until_parent_ends, args=(die_with_parent(signal.SIGKILL),), daemon=True)
     helper.start()
     helpers.append(helper)
 
@@ -292,7 +303,9 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 rebuild_ddp()  # here, not in a reset callback: its connections open mid-run
             if FORKED_HELPER:
                 restart_helper(helpers)
-            if LOADER_WORKERS:  # kept to the end: deleting one waits for its workers
+            if LOADER_WORKERS:
+                if not LOADER_HOLD:  # a stalled worker would hold up the DataLoader's end
+                    loaders.clear()
                 loaders.append(iter(torch.utils.data.DataLoader(
                     HeldItems(), num_workers=LOADER_WORKERS)))
                 next(loaders[-1])

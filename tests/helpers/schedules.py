@@ -113,12 +113,18 @@ class Pattern:
     # Durable snapshots on (PEER_ELASTIC_SNAPSHOT_DIR in the run's work dir, every 0.5 s):
     # rank 0 writes them in the background while the events happen.
     snapshots: bool = False
+    # Every peer forks, each time it enters its training function, a DataLoader worker and a
+    # multiprocessing helper (which it terminate()s at the next entry): children that hold
+    # copies of its descriptors and signal handlers through every event.
+    forks: bool = False
 
     def env(self) -> dict[str, object]:
         return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
                 "WORKER_CHECK_EVERY": self.check_every, "WORKER_PLAIN": int(self.plain),
                 "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup,
-                "WORKER_DDP_HOOK": int(self.ddp_hook)}
+                "WORKER_DDP_HOOK": int(self.ddp_hook),
+                "WORKER_LOADER_WORKERS": int(self.forks),
+                "WORKER_FORKED_HELPER": int(self.forks)}
 
     def describe(self) -> str:
         where = {"": "", "1": " (over a subgroup)",
@@ -127,7 +133,8 @@ class Pattern:
                + (" with pe.allreduce_hook" if self.ddp_hook else ""))
         return (f"record={self.record} commit_every={self.commit_every} "
                 f"check_every={self.check_every} plain={int(self.plain)} {ddp}"
-                + (" snapshots=1" if self.snapshots else ""))
+                + (" snapshots=1" if self.snapshots else "")
+                + (" forks=1" if self.forks else ""))
 
 
 def make_pattern(rng: random.Random) -> Pattern:
@@ -209,6 +216,7 @@ SHAPES = ((4, 2, 3), (2, 1, 2), (3, 1, 2), (3, 2, 3), (4, 1, 4), (3, 1, 3), (5, 
 FIRST_SHAPE_SHARE = 0.4
 #: The share of plans with durable snapshots on (Pattern.snapshots).
 SNAPSHOT_SHARE = 0.25
+FORKS_SHARE = 0.3  # plans whose peers fork children (Pattern.forks)
 #: How often rank 0 writes a snapshot in those plans (PEER_ELASTIC_SNAPSHOT_EVERY).
 SNAPSHOT_EVERY_S = 0.5
 #: In those plans, the share of events (while not paused) that a whole-job restart follows.
@@ -264,6 +272,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         pattern = replace(pattern, ddp_hook=True)
     if random.Random(f"{seed}/snapshots").random() < SNAPSHOT_SHARE:  # drawn apart
         pattern = replace(pattern, snapshots=True)
+    if random.Random(f"{seed}/forks").random() < FORKS_SHARE:  # drawn apart
+        pattern = replace(pattern, forks=True)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
@@ -584,6 +594,13 @@ class ScheduleRunner(ChaosRunner):
             problems.append(f"plain values inconsistent with the model: steps "
                             f"{result.get('steps')}, samples {result.get('samples')}, the "
                             f"model's count {result.get('sum')}")
+        for p in self.peers if self.plan.pattern.forks else ():
+            with p.proc.cond:
+                alive = [line for line in p.proc.lines
+                         if line.startswith("HELPER ") and line.endswith(" alive")]
+            if alive:
+                problems.append(f"{p.name}: a forked helper lived on after its terminate() "
+                                f"({alive[0]})")
         return problems
 
     def tails(self, lines: int = 25) -> str:
