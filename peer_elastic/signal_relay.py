@@ -19,12 +19,12 @@ thread of its own reads the pipe and calls the action, once per signal number pe
 One job: move a signal from its handler to a thread. What the signal means is the
 caller's action.
 
-A child forked while a relay is installed (a DataLoader worker, forked from the training
-process) gets the handlers from before the relay back, and lets go of the pipe. Else its
-handler would write into the parent's pipe: a SIGTERM sent to the worker alone (the
-DataLoader's ``terminate()`` of a worker that does not stop) made the *peer* leave the job,
-and the worker lived on; and the parent's relay would not read end-of-file while the child
-held the pipe's write end.
+A child forked while a relay is installed (a ``multiprocessing`` helper forked from the
+training process, the default start method on Linux) gets the handlers from before the
+relay back, and lets go of the pipe. Else its handler would write into the parent's pipe: a
+SIGTERM sent to the helper alone (its ``terminate()``) made the *peer* leave the job, and
+the helper lived on; and the parent's relay would not read end-of-file while the child held
+the pipe's write end. (DataLoader workers set a SIGTERM handler of their own.)
 """
 
 from __future__ import annotations
@@ -68,12 +68,14 @@ class SignalRelay:
         self._received: set[int] = set()  # added to by the handler (atomic under the GIL)
         self._write_fd = -1
         self._read_fd = -1
+        self._pipe_inode = -1  # both ends': a child closes only fds that still are the pipe
         self.thread: threading.Thread | None = None
 
     def install(self) -> SignalRelay:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # a handler never blocks, whatever arrives
         self._write_fd, self._read_fd = write_fd, read_fd
+        self._pipe_inode = os.fstat(read_fd).st_ino
         self.thread = threads.start(self._relay, self._name, args=(read_fd,))
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -104,7 +106,8 @@ class SignalRelay:
         self._previous.clear()
         for fd in (self._write_fd, self._read_fd):
             try:
-                os.close(fd)
+                if os.fstat(fd).st_ino == self._pipe_inode:
+                    os.close(fd)
             except OSError:
                 pass
         self._write_fd = self._read_fd = -1
