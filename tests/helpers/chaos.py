@@ -226,6 +226,27 @@ def training_epochs(n_events: int) -> int:
 # --- the runner --------------------------------------------------------------------------------
 
 
+#: How long the children of a killed peer may outlive it: a DataLoader worker looks whether
+#: its parent lives every 5 s (torch's MP_STATUS_CHECK_INTERVAL), on a loaded machine later.
+ORPHANS_GONE_S = 20.0
+
+
+def group_left(pgid: int) -> str | None:
+    """None once process group ``pgid`` is empty (bounded: ORPHANS_GONE_S), else what is
+    wrong. The orphans end on their own, with nothing to wait on but the group itself."""
+    deadline = time.monotonic() + ORPHANS_GONE_S
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return "exists (EPERM)"
+        if time.monotonic() > deadline:
+            return f"still has processes {ORPHANS_GONE_S:.0f} s after the end"
+        time.sleep(0.1)  # sampling the group
+
+
 class ChaosFailure(AssertionError):
     """The job (or the runner) went wrong; the message names the seed and shows the evidence."""
 
@@ -827,13 +848,8 @@ class ChaosRunner:
             except AssertionError as exc:
                 problems.append(str(exc).split("\n", 1)[0])
             # Its own session: nothing of it (children included) may be left.
-            try:
-                os.killpg(p.pid, 0)
-                problems.append(f"process group {p.pid} of {p.name} still has processes")
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                problems.append(f"process group {p.pid} of {p.name} exists (EPERM)")
+            if (left := group_left(p.pid)) is not None:
+                problems.append(f"process group {p.pid} of {p.name} {left}")
         return problems
 
     def summary(self) -> str:
