@@ -143,12 +143,14 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
     a, b, c = start_world_of_3(*cluster.start(
         3, WORKER_END_FILE=end, WORKER_LOADER_WORKERS=1, WORKER_LOADER_HOLD=hold,
         WORKER_FORKED_HELPER=1))
+    c.wait_line("FORKED")
     dead_peers_children = children(c.pid)
     try:
         assert len(dead_peers_children) >= 2, f"c forked no children:\n{c.output()}"
         c.signal(signal.SIGKILL)
         took = wait_world(a, 2, SLOW)
-        assert all(alive(w) for w in dead_peers_children), "c's children must outlive it"
+        # The helper dies with c (a parent-death signal); the stalled worker outlives it.
+        assert any(alive(w) for w in dead_peers_children), "c's DataLoader worker must live"
         assert took < FAST, f"world of 2 after {took:.1f} s: the death was not confirmed"
         for p in (a, b):  # re-entered: each stopped its first helper
             line = p.wait_line("HELPER", timeout=90)

@@ -51,7 +51,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   until the function is entered again (a new DataLoader replaces it; its idle workers
   exit). With ``WORKER_LOADER_HOLD=path`` every later item waits until that file exists:
   the workers sit in the dataset (a stalled data source), where they do not look whether
-  their parent lives; those DataLoaders are all kept until the peer ends.
+  their parent lives; those DataLoaders are all kept until the peer ends. Prints
+  ``FORKED <pid>`` once the children of the entry run (with ``WORKER_FORKED_HELPER`` too).
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
@@ -309,6 +310,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 loaders.append(iter(torch.utils.data.DataLoader(
                     HeldItems(), num_workers=LOADER_WORKERS)))
                 next(loaders[-1])
+            if LOADER_WORKERS or FORKED_HELPER:
+                say("FORKED", os.getpid())  # its children of this entry run now
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
             # epochs; ending mid-epoch would leave a part-trained epoch it calls wrong).
