@@ -228,6 +228,16 @@ def _kill_all_at_exit() -> None:
             server._cleanup_at_exit()
 
 
+def _forget_the_parents_servers() -> None:
+    # A forked child (os.fork, a multiprocessing worker) did not start them: were it to end
+    # through the interpreter's exit, the hook above would kill its parent's etcd. In the
+    # child, with no lock: one another thread held at the fork would stay held.
+    _live_servers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_servers)
+
+
 # --- one member ----------------------------------------------------------------------------
 
 

@@ -329,6 +329,29 @@ def test_atexit_kills_forgotten_server(tmp_path: Path) -> None:
             pass
 
 
+def test_a_forked_child_that_exits_leaves_its_parent_s_server_alone() -> None:
+    # The atexit hook above kills what this process started: a forked child (a worker of a
+    # multiprocessing pool, say) that ends through the interpreter's exit started nothing.
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO_ROOT)!r})
+        from peer_elastic.etcd_server import EtcdServer
+        s = EtcdServer()
+        s.start(20)
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # the interpreter's exit: atexit hooks run in the child
+        os.waitpid(child, 0)
+        print("alive" if s.running and s.healthy(5) else "killed", s.data_dir.exists(), flush=True)
+        s.stop()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["alive", "True"], out.stdout + out.stderr
+
+
 # --- TLS --------------------------------------------------------------------------------------
 
 
