@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection
 
-__all__ = ["open_socket", "socket_inodes"]
+__all__ = ["keep_from_exec", "open_socket", "socket_inodes"]
 
 _FD_DIR = "/proc/self/fd"
 
@@ -46,3 +47,22 @@ def open_socket(fd: int, inode: int) -> socket.socket | None:
     except OSError:
         os.close(dup)
         return None
+
+
+def keep_from_exec(inodes: Collection[int]) -> int:
+    """Mark this process's descriptors of sockets ``inodes`` close-on-exec; how many.
+
+    gloo opens its sockets without it, so a program run from a peer by ``os.system`` or
+    ``posix_spawn`` (no Python in between to close them) would hold the peer's gloo
+    connections open for as long as it runs, a dead peer's included."""
+    count = 0
+    for inode, fd in socket_inodes().items():
+        if inode not in inodes:
+            continue
+        try:
+            if os.fstat(fd).st_ino == inode:  # not closed and reused meanwhile
+                os.set_inheritable(fd, False)
+                count += 1
+        except OSError:  # closed meanwhile
+            pass
+    return count

@@ -134,6 +134,9 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
     listener must still close with it (peer_elastic.parent_only_sockets). With the workers
     holding them the others got no reset and no refused probe, and waited for its lease
     (SLOW here; 4.3 s instead of 0.12 s where the workers' 5 s parent check ended them).
+    A program it runs with the descriptors it may inherit (``os.system``) must not hold its
+    gloo connections either: gloo opens them inheritable (peer_elastic.process_sockets.
+    keep_from_exec); the others then waited out the grace after the confirmed death.
     Then each survivor re-enters its training function and stops the helper process it
     forked (``terminate()``): that SIGTERM must end the helper, not reach the peer through
     the handler the helper inherited (peer_elastic.signal_relay): the peer left the job, and
@@ -142,15 +145,16 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
     end, hold = tmp_path / "end", tmp_path / "hold"
     a, b, c = start_world_of_3(*cluster.start(
         3, WORKER_END_FILE=end, WORKER_LOADER_WORKERS=1, WORKER_LOADER_HOLD=hold,
-        WORKER_FORKED_HELPER=1))
+        WORKER_FORKED_HELPER=1, WORKER_EXEC_CHILD=1))
     c.wait_line("FORKED")
     dead_peers_children = children(c.pid)
     try:
-        assert len(dead_peers_children) >= 2, f"c forked no children:\n{c.output()}"
+        assert len(dead_peers_children) >= 3, f"c forked no children:\n{c.output()}"
         c.signal(signal.SIGKILL)
         took = wait_world(a, 2, SLOW)
-        # The helper dies with c (a parent-death signal); the stalled worker outlives it.
-        assert any(alive(w) for w in dead_peers_children), "c's DataLoader worker must live"
+        # The helper dies with c (a parent-death signal); the stalled worker and the
+        # waiting program outlive it.
+        assert sum(alive(w) for w in dead_peers_children) >= 2, "c's children must live on"
         assert took < FAST, f"world of 2 after {took:.1f} s: the death was not confirmed"
         for p in (a, b):  # re-entered: each stopped its first helper
             line = p.wait_line("HELPER", timeout=90)

@@ -52,6 +52,7 @@ from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
 from peer_elastic.parent_only_sockets import ParentOnlySockets
+from peer_elastic.process_sockets import keep_from_exec
 from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.gloo_records import GlooListeners
@@ -382,6 +383,16 @@ class GroupManager:
         own = reason.cause is StopCause.LEASE_LOST or (
             reason.cause is StopCause.PEER_LOST and coord.member_id in reason.lost)
         return Loss(reason.detail, 0.0 if own else self._join_timeout_s())
+
+    def keep_connections_from_exec(self) -> int:
+        """Mark the current generation's gloo connections close-on-exec (gloo opens them
+        without), subgroups made so far included; how many. Forked children are handled
+        apart (peer_elastic.parent_only_sockets); a program run by ``os.system`` or
+        ``posix_spawn`` gets no Python between fork and exec, and would hold them open
+        for as long as it runs."""
+        with self._lock:
+            connections = self._group_connections()
+        return keep_from_exec(connections.inodes)
 
     def abandon(self, group: FormedGroup, why: str) -> bool:
         """Make every pending and later collective of ``group`` fail now on this rank (the

@@ -53,6 +53,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   the workers sit in the dataset (a stalled data source), where they do not look whether
   their parent lives; those DataLoaders are all kept until the peer ends. Prints
   ``FORKED <pid>`` once the children of the entry run (with ``WORKER_FORKED_HELPER`` too).
+* ``WORKER_EXEC_CHILD=1`` (with ``WORKER_LOADER_HOLD``): each time the training function
+  is entered it also starts a program that waits for the hold file, keeping every
+  descriptor the peer lets a program inherit (``close_fds=False``, as ``os.system`` does).
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
@@ -78,6 +81,7 @@ import math
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -111,6 +115,7 @@ DDP_HOOK = os.environ.get("WORKER_DDP_HOOK") == "1"
 LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 LOADER_HOLD = os.environ.get("WORKER_LOADER_HOLD")
 FORKED_HELPER = os.environ.get("WORKER_FORKED_HELPER") == "1"
+EXEC_CHILD = os.environ.get("WORKER_EXEC_CHILD") == "1"
 if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
@@ -279,6 +284,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
         holder: dict[str, nn.Module] = {}
         loaders: list[object] = []  # WORKER_LOADER_WORKERS: iterators, their workers alive
         helpers: list[multiprocessing.process.BaseProcess] = []  # WORKER_FORKED_HELPER
+        programs: list[subprocess.Popen[bytes]] = []  # WORKER_EXEC_CHILD
 
         def rebuild_ddp() -> None:
             # Each generation has a new process group: DDP must be rebuilt on it.
@@ -310,7 +316,11 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 loaders.append(iter(torch.utils.data.DataLoader(
                     HeldItems(), num_workers=LOADER_WORKERS)))
                 next(loaders[-1])
-            if LOADER_WORKERS or FORKED_HELPER:
+            if EXEC_CHILD and LOADER_HOLD:  # the fds it inherits stay open while it waits
+                programs.append(subprocess.Popen(
+                    ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.1; done', LOADER_HOLD],
+                    close_fds=False))
+            if LOADER_WORKERS or FORKED_HELPER or EXEC_CHILD:
                 say("FORKED", os.getpid())  # its children of this entry run now
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
