@@ -198,6 +198,8 @@ class Peer:
                 state.record_commit()
             return
         self._liveness.stepped()
+        if self.groups.has_unmarked_connections:  # a subgroup the training function made
+            self.groups.keep_connections_from_exec()
         if self._pending_timing is not None:
             self._publish_timing()
         current = group.assignment.generation

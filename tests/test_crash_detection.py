@@ -135,8 +135,9 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
     holding them the others got no reset and no refused probe, and waited for its lease
     (SLOW here; 4.3 s instead of 0.12 s where the workers' 5 s parent check ended them).
     A program it runs with the descriptors it may inherit (``os.system``) must not hold its
-    gloo connections either: gloo opens them inheritable (peer_elastic.process_sockets.
-    keep_from_exec); the others then waited out the grace after the confirmed death.
+    gloo connections either, those of the subgroup its training function made included:
+    gloo opens them inheritable (peer_elastic.process_sockets.keep_from_exec); the others
+    then waited out the grace after the confirmed death.
     Then each survivor re-enters its training function and stops the helper process it
     forked (``terminate()``): that SIGTERM must end the helper, not reach the peer through
     the handler the helper inherited (peer_elastic.signal_relay): the peer left the job, and
@@ -145,7 +146,9 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
     end, hold = tmp_path / "end", tmp_path / "hold"
     a, b, c = start_world_of_3(*cluster.start(
         3, WORKER_END_FILE=end, WORKER_LOADER_WORKERS=1, WORKER_LOADER_HOLD=hold,
-        WORKER_FORKED_HELPER=1, WORKER_EXEC_CHILD=1))
+        WORKER_FORKED_HELPER=1, WORKER_EXEC_CHILD=1,
+        # DDP over a subgroup the training function makes: the survivors wait in it.
+        WORKER_DDP=1, WORKER_DDP_SUBGROUP="train"))
     c.wait_line("FORKED")
     dead_peers_children = children(c.pid)
     try:

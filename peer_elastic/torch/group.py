@@ -179,6 +179,8 @@ class GroupManager:
         # processes it forks (DataLoader workers): a child must not keep them open once this
         # peer dies (peer_elastic.parent_only_sockets).
         self._parent_only = ParentOnlySockets()
+        # A group made since the last close-on-exec marking (keep_connections_from_exec).
+        self._unmarked = False
         # The gloo listeners of the current generation's groups, subgroups made at any time
         # in it included: their connections are cut with the group (_group_connections).
         self._listeners = self._new_listeners()
@@ -384,12 +386,19 @@ class GroupManager:
             reason.cause is StopCause.PEER_LOST and coord.member_id in reason.lost)
         return Loss(reason.detail, 0.0 if own else self._join_timeout_s())
 
+    @property
+    def has_unmarked_connections(self) -> bool:
+        """A group was made in this generation since :meth:`keep_connections_from_exec`
+        last ran (a subgroup of the training function): cheap enough for every check."""
+        return self._unmarked
+
     def keep_connections_from_exec(self) -> int:
         """Mark the current generation's gloo connections close-on-exec (gloo opens them
         without), subgroups made so far included; how many. Forked children are handled
         apart (peer_elastic.parent_only_sockets); a program run by ``os.system`` or
         ``posix_spawn`` gets no Python between fork and exec, and would hold them open
         for as long as it runs."""
+        self._unmarked = False  # first: a group made during the scan marks it again
         with self._lock:
             connections = self._group_connections()
         return keep_from_exec(connections.inodes)
@@ -626,7 +635,11 @@ class GroupManager:
         """Listeners whose addresses, and so every connection to or from them, a forked
         child does not keep; a new set replaces the last one's."""
         self._parent_only.set(addresses=())
-        return GlooListeners(on_change=lambda seen: self._parent_only.set(addresses=seen))
+        return GlooListeners(on_change=self._listeners_changed)
+
+    def _listeners_changed(self, seen: frozenset[tuple[str, int]]) -> None:
+        self._parent_only.set(addresses=seen)
+        self._unmarked = True
 
     def _group_connections(self) -> GroupConnections:
         """The current generation's connections: those captured while its group formed, and

@@ -53,9 +53,10 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   the workers sit in the dataset (a stalled data source), where they do not look whether
   their parent lives; those DataLoaders are all kept until the peer ends. Prints
   ``FORKED <pid>`` once the children of the entry run (with ``WORKER_FORKED_HELPER`` too).
-* ``WORKER_EXEC_CHILD=1`` (with ``WORKER_LOADER_HOLD``): each time the training function
-  is entered it also starts a program that waits for the hold file, keeping every
-  descriptor the peer lets a program inherit (``close_fds=False``, as ``os.system`` does).
+* ``WORKER_EXEC_CHILD=1`` (with ``WORKER_LOADER_HOLD``): after the first commit of each
+  entry of the training function it also starts a program that waits for the hold file,
+  keeping every descriptor the peer lets a program inherit (``close_fds=False``, as
+  ``os.system`` does); ``FORKED`` is printed after that.
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
@@ -165,6 +166,14 @@ def sleep_until_parent_ends(set_parent_death_signal: Callable[[], None] | None) 
     if set_parent_death_signal is not None:
         set_parent_death_signal()  # a SIGKILLed peer leaves no helper behind
     threading.Event().wait()
+
+
+def start_waiting_program(programs: list[subprocess.Popen[bytes]]) -> None:
+    """WORKER_EXEC_CHILD: a program that waits for the hold file, inheriting every
+    descriptor it may (close_fds=False: as os.system runs one)."""
+    programs.append(subprocess.Popen(
+        ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.1; done', str(LOADER_HOLD)],
+        close_fds=False))
 
 
 def restart_helper(helpers: list[multiprocessing.process.BaseProcess]) -> None:
@@ -316,11 +325,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 loaders.append(iter(torch.utils.data.DataLoader(
                     HeldItems(), num_workers=LOADER_WORKERS)))
                 next(loaders[-1])
-            if EXEC_CHILD and LOADER_HOLD:  # the fds it inherits stay open while it waits
-                programs.append(subprocess.Popen(
-                    ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.1; done', LOADER_HOLD],
-                    close_fds=False))
-            if LOADER_WORKERS or FORKED_HELPER or EXEC_CHILD:
+            # The program starts after the entry's first commit, as a training loop's
+            # upload would run (the subgroup made above exists then).
+            program_due = EXEC_CHILD and bool(LOADER_HOLD)
+            if (LOADER_WORKERS or FORKED_HELPER) and not program_due:
                 say("FORKED", os.getpid())  # its children of this entry run now
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
@@ -362,6 +370,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     if (b + 1) % COMMIT_EVERY == 0:
                         state.commit()
                         peer.record_progress(epoch=state.epoch, batch=b, step=state.commit_count)
+                        if program_due:
+                            program_due = False
+                            start_waiting_program(programs)
+                            say("FORKED", os.getpid())
                     elif CHECK_EVERY and (b + 1) % CHECK_EVERY == 0:
                         state.check_host_updates()
                 state.epoch += 1
