@@ -22,22 +22,13 @@ import pytest
 from peer_elastic.etcd_server import WORK_DIR_PREFIX
 from peer_elastic.owned_dirs import sweep
 from peer_elastic.parent_death import die_with_parent
-from tests.helpers.procs import native_stacks
+from tests.helpers.procs import gone, native_stacks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the parent-death signal is Linux's")
 
 ROOT = Path(__file__).resolve().parent.parent
 GONE_TIMEOUT_S = 60.0  # generous: etcd shuts down gracefully on a loaded machine
-
-
-def _gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie waiting for whoever inherited it to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _wait_gone(pids: list[int]) -> list[int]:
@@ -56,13 +47,13 @@ def _wait_gone(pids: list[int]) -> list[int]:
     finally:
         for fd in fds:
             os.close(fd)
-    return [p for p in pids if not _gone(p)]
+    return [p for p in pids if not gone(p)]
 
 
 def _kill_leftovers(pids: list[int]) -> None:
     """A failed test leaves nothing running (these processes are not our children)."""
     for pid in pids:
-        if not _gone(pid):
+        if not gone(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -95,7 +86,7 @@ def test_a_child_gets_the_signal_when_its_parent_is_killed() -> None:
     children: list[int] = []
     try:
         children.append(int(parent.stdout.readline()))
-        assert not _gone(children[0])
+        assert not gone(children[0])
         parent.kill()
         parent.wait(timeout=30)
         assert _wait_gone(children) == [], "the child outlived its SIGKILLed parent"

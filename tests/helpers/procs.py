@@ -117,6 +117,15 @@ class PeerProc:
             pass
 
 
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for whoever inherited it to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def native_stacks(pid: int, timeout: float = 90.0) -> str:
     """Every thread's native stack (gdb's ``thread apply all bt``), "" without gdb.
 
