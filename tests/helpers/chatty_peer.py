@@ -4,6 +4,10 @@ stderr, each naming its rank, one with undecodable bytes, and a last one with no
 
 Every line is ``<stream> r<rank> t<thread> n<seq> <payload> END`` so a test can check that
 each arrived whole, once, with the launcher's prefix.
+
+No peer leaves before every peer of the roster has chatted: a peer that leaves ends the
+generation, and a peer slow to look at it (a loaded machine) would then never see the full
+roster it was listed in.
 """
 
 from __future__ import annotations
@@ -15,15 +19,43 @@ import threading
 from peer_elastic.config import JobSettings
 from peer_elastic.etcd.client import client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
+from peer_elastic.etcd.watch import PrefixWatch
 
 THREADS, LINES, WIDTH = 3, 150, 300
+TIMEOUT_S = 60
+
+
+def everyone_chatted(client, prefix: str, roster: set[str]) -> bool:  # noqa: ANN001
+    """Wait until every member of ``roster`` has put its key under ``prefix``."""
+    seen: set[str] = set()
+    changed = threading.Condition()
+
+    def on_snapshot(kvs, _rev) -> None:  # noqa: ANN001
+        with changed:
+            seen.clear()
+            seen.update(kv.key for kv in kvs)
+            changed.notify_all()
+
+    def on_events(events, _rev) -> None:  # noqa: ANN001
+        with changed:
+            seen.update(e.kv.key for e in events if e.kind == "put")
+            changed.notify_all()
+
+    watch = PrefixWatch(client, prefix, on_snapshot, on_events)
+    watch.start()
+    try:
+        with changed:
+            return changed.wait_for(lambda: {prefix + m for m in roster} <= seen, TIMEOUT_S)
+    finally:
+        watch.stop()
+
 
 settings = JobSettings.from_env()
 with client_from_env() as client:
     coord = Coordinator(client, os.environ["PEER_ELASTIC_JOB"], settings).start()
     snap = coord.view.wait_for(lambda s: s.generation is not None
                                and len(s.generation.roster) == settings.min_np
-                               and coord.member_id in s.generation.roster, 60)
+                               and coord.member_id in s.generation.roster, TIMEOUT_S)
     assert snap is not None and snap.generation is not None, "no full roster"
     rank = list(snap.generation.roster).index(coord.member_id)
 
@@ -43,4 +75,7 @@ with client_from_env() as client:
     sys.stdout.buffer.write(f"out r{rank} last END".encode())  # no newline at the end
     sys.stdout.flush()
     sys.stderr.flush()
+    chatted = f"/peer-elastic-tests/chatty/{os.environ['PEER_ELASTIC_JOB']}/"
+    client.put(chatted + coord.member_id, b"")
+    assert everyone_chatted(client, chatted, set(snap.generation.roster)), "a peer never chatted"
     coord.close()
