@@ -361,8 +361,9 @@ class Peer:
                 with self._liveness.collective():
                     self._agree_and_sync(state)
                     state.on_reset()
-                # Once the callbacks made their subgroups: no program the training function
-                # runs (os.system) may hold this peer's connections past its death.
+                # Once the callbacks made their subgroups (the group's own connections were
+                # marked when it formed): no program the training function runs (os.system)
+                # may hold this peer's connections past its death.
                 self.groups.keep_connections_from_exec()
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}

@@ -51,6 +51,11 @@ class RevisionCompacted(EtcdError):
         self.compacted_revision = compacted_revision
 
 
+class ClientClosed(EtcdError):
+    """A request on an etcd client that was closed: nothing will answer it, ever (a watch
+    on it ends instead of retrying)."""
+
+
 # --- job and coordination -------------------------------------------------------------------
 
 

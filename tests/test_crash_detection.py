@@ -1,7 +1,7 @@
 """A crashed peer is dropped on evidence (its probe port refuses), not after join_timeout.
 
 Real etcd, real peer processes (tests/helpers/elastic_worker.py). ``join_timeout_s`` and the
-lease TTL are 20 s here, so the only way to re-form within a few seconds is a confirmed
+lease TTL are 45 s here, so the only way to re-form within a few seconds is a confirmed
 death (peer_elastic/etcd/deaths.py). A stopped peer (SIGSTOP, shorter than join_timeout)
 still accepts connections: it must not be dropped. Every test ends with the exactly-once
 oracle.
@@ -21,9 +21,9 @@ import pytest
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.view import JobView
 from tests.helpers.false_drops import run_resets
-from tests.helpers.procs import Cluster, PeerProc, gone, results
+from tests.helpers.procs import Cluster, PeerProc, gone, results, tcp_connections
 from tests.test_elastic import gen_lines, result_of, wait_steps
-from tests.test_partition import JOINED
+from tests.test_partition import GEN_LINE, JOINED
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +119,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def forked_in_world(p: PeerProc, size: int) -> None:
+    """Wait for ``p``'s FORKED line of its latest entry in a world of ``size`` (under load
+    it may have trained in smaller worlds first, with children of their own)."""
+    with p.cond:
+        at = max(i for i, line in enumerate(p.lines)
+                 if (m := GEN_LINE.fullmatch(line)) and int(m[3]) == size)
+    p.wait_line("FORKED", after=at)
+
+
+def gloo_connections_of(pids: list[int], cluster: Cluster) -> dict[int, list]:
+    """The TCP connections each of ``pids`` holds, but those to etcd (a forked child keeps
+    its parent's etcd client's, unused: gRPC's fork support is off)."""
+    etcd_ports = {int(e.rsplit(":", 1)[1]) for e in cluster.env["PEER_ELASTIC_ETCD"].split(",")}
+    return {pid: held for pid in pids
+            if (held := [c for c in tcp_connections(pid) if c[2][1] not in etcd_ports])}
+
+
 def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_job(
         cluster: Cluster, tmp_path) -> None:
     """Processes a peer forks mid-run hold a copy of every descriptor. DataLoader workers
@@ -141,10 +158,15 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
         WORKER_FORKED_HELPER=1, WORKER_EXEC_CHILD=1,
         # DDP over a subgroup the training function makes: the survivors wait in it.
         WORKER_DDP=1, WORKER_DDP_SUBGROUP="train"))
-    c.wait_line("FORKED")
+    forked_in_world(c, 3)
     dead_peers_children = children(c.pid)
     try:
         assert len(dead_peers_children) >= 3, f"c forked no children:\n{c.output()}"
+        # None of c's children holds a connection of its groups (the survivors would wait
+        # in a collective for a peer that is gone): the hook took them from the forked ones,
+        # close-on-exec from the program.
+        held = gloo_connections_of(dead_peers_children, cluster)
+        assert not held, f"c's children hold its connections (pid: [(fd, local, remote)]): {held}"
         c.signal(signal.SIGKILL)
         took = wait_world(a, 2, SLOW)
         # The helper dies with c (a parent-death signal); the stalled worker and the
@@ -166,6 +188,45 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
         assert p.wait(180) == 0, p.output()
     (r,) = results([a, b])
     assert r["exact"] and r["identical"] and r["world"] == 2, r
+
+
+def test_a_dead_peer_s_connections_held_open_by_its_program_do_not_hold_the_others(
+        cluster: Cluster, tmp_path) -> None:
+    """A program a peer starts between a subgroup's creation and its next check (or from C,
+    out of Python's reach) inherits the subgroup's connections, gloo opening them
+    inheritable. When the peer dies they stay open: no collective fails, every ack was
+    given, so nothing but the lease (45 s here) ended the survivors' wait. A collective
+    that waits makes each rank probe its group (GroupManager.waited_on_peers): the refused
+    probe marks the generation broken, the leader confirms the death, and the watchdog
+    abandons the group at once, a dead member needing no grace (GroupManager.lost_peer)."""
+    end, hold, hang = tmp_path / "end", tmp_path / "hold", tmp_path / "hang"
+    a, b, c = start_world_of_3(*cluster.start(
+        3, WORKER_END_FILE=end, WORKER_LOADER_HOLD=hold, WORKER_EXEC_CHILD="early",
+        WORKER_DDP=1, WORKER_DDP_SUBGROUP="train", WORKER_HANG_FILE=hang,
+        PEER_ELASTIC_LOG_LEVEL="INFO"))
+    forked_in_world(c, 3)
+    programs = children(c.pid)
+    try:
+        held = gloo_connections_of(programs, cluster)
+        assert held, f"c's program inherited no connection: nothing is tested\n{c.output()}"
+        # c stops before its next step: a and b go on into that step's DDP all-reduce, over
+        # the subgroup whose connections the program holds, and wait there for c.
+        hang.write_text(f"{c.pid}\n")
+        c.wait_line("HANGING")
+        c.signal(signal.SIGKILL)
+        took = wait_world(a, 2, SLOW)
+        assert held.keys() <= {p for p in programs if not gone(p)}, "the program must live on"
+        assert took < FAST, f"world of 2 after {took:.1f} s: the held connections stalled it"
+        wait_steps(a, 3)
+        wait_steps(b, 3)
+    finally:
+        hold.touch()
+    end.touch()
+    for p in (a, b):
+        assert p.wait(180) == 0, p.output()
+    (r,) = results([a, b])
+    assert r["exact"] and r["identical"] and r["world"] == 2, r
+    assert "probe refused" in a.output() + b.output(), "the break must name its evidence"
 
 
 def test_a_stopped_member_is_not_taken_for_dead(etcd: str, unique_job: str, tmp_path) -> None:

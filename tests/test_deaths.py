@@ -11,10 +11,13 @@ from peer_elastic.config import JobSettings
 from peer_elastic.etcd.deaths import (
     Death,
     DeathProber,
+    ProbeTarget,
+    all_gone,
     missing_acks,
     probe_targets,
     probeable,
     refused,
+    refusing,
 )
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
@@ -164,6 +167,25 @@ def test_a_stopped_process_is_no_proof_a_backlog_accepts() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen(4)
         assert refused("127.0.0.1", s.getsockname()[1]) is None
+
+
+def test_all_gone_needs_a_refusal_from_every_member_it_is_asked_about() -> None:
+    # Real sockets: c's listener is closed (its process gone), b's listens (alive or stopped).
+    alive = ProbeListener("127.0.0.1")
+    gone = ProbeListener("127.0.0.1")
+    gone.close()
+    targets = [ProbeTarget("b-1", "127.0.0.1", alive.port),
+               ProbeTarget("c-1", "127.0.0.1", gone.port)]
+    try:
+        assert [t.member_id for t, _ in refusing(targets)] == ["c-1"]
+        (death,) = all_gone(targets, ["c-1"])
+        assert death.member_id == "c-1" and death.endpoint == f"127.0.0.1:{gone.port}"
+        assert "connection refused" in death.describe()
+        assert all_gone(targets, ["b-1", "c-1"]) is None  # b answered: no proof for both
+        assert all_gone(targets, ["c-1", "d-1"]) is None  # d has no probe port to ask
+        assert all_gone(targets, []) is None
+    finally:
+        alive.close()
 
 
 def test_the_prober_confirms_wakes_and_forgets_departed_members() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from peer_elastic import threads
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import EtcdUnavailable
+from peer_elastic.errors import ClientClosed, EtcdUnavailable
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.watch import PrefixWatch
@@ -238,3 +238,22 @@ def test_etcd_leader_changes_cost_no_generation_and_no_member(etcd_cluster, uniq
             c.close()
         for c in clients:
             c.close()
+
+
+def test_a_watch_on_a_client_that_closes_ends_quietly(etcd: str, unique_job: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A script whose main thread fails closes its client (a ``with`` block) while a view
+    # still watches: the watch used to re-create itself on the closed channel, and etcd3's
+    # stream thread died with "Cannot invoke RPC: Channel closed!" on stderr, again and again.
+    died: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: died.append(f"{a.thread}: {a.exc_value}"))
+    client = EtcdClient(etcd)
+    watch = PrefixWatch(client, f"/{unique_job}/", lambda kvs, rev: None, lambda ev, rev: None)
+    watch.start()
+    client.close()
+    threads.join_all([t for t in threading.enumerate() if t.name == f"watch:/{unique_job}/"], 10)
+    assert not [t for t in threading.enumerate() if t.name == f"watch:/{unique_job}/"]
+    assert not died, died
+    with pytest.raises(ClientClosed, match="closed"):
+        client.get("/x")
+    watch.stop()

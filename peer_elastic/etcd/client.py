@@ -33,6 +33,7 @@ from etcd3 import etcdrpc
 
 from peer_elastic import settings_table, threads
 from peer_elastic.errors import (
+    ClientClosed,
     ConfigError,
     EtcdAuthError,
     EtcdError,
@@ -413,6 +414,8 @@ class EtcdClient:
 
     def _call(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors; map every failure to our types."""
+        if self._closed:  # the closed channel would fail it anyway, in etcd3's threads too
+            raise ClientClosed(f"{what}: the etcd client was closed")
         budget = self.retry_budget_s if budget_s is None else budget_s
         started = time.monotonic()
         last: list[BaseException] = []

@@ -39,7 +39,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -148,6 +148,34 @@ def refused(address: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | 
     except OSError:
         return None
     return None
+
+
+def refusing(targets: Sequence[ProbeTarget],
+             probe: Callable[[str, int], str | None] = refused,
+             ) -> list[tuple[ProbeTarget, str]]:
+    """Probe ``targets`` now, side by side: those that refused, with why."""
+    if len(targets) <= 1:
+        whys = [probe(t.address, t.port) for t in targets]
+    else:
+        with ThreadPoolExecutor(min(_WORKERS, len(targets))) as pool:
+            whys = list(pool.map(lambda t: probe(t.address, t.port), targets))
+    return [(t, why) for t, why in zip(targets, whys, strict=True) if why is not None]
+
+
+def all_gone(targets: Iterable[ProbeTarget], member_ids: Collection[str],
+             probe: Callable[[str, int], str | None] = refused) -> list[Death] | None:
+    """Probe ``member_ids`` now, each at its target among ``targets``: their deaths if every
+    one refused, else None (one has no target, or it accepted, timed out or is unreachable:
+    no proof). For a caller that holds the targets of members already gone from the view
+    (a group's roster, remembered when it formed)."""
+    by_id = {t.member_id: t for t in targets}
+    if not member_ids or any(m not in by_id for m in member_ids):
+        return None
+    dead = refusing([by_id[m] for m in member_ids], probe)
+    if len(dead) < len(member_ids):
+        return None
+    now = time.monotonic()
+    return [Death(t.member_id, host_port(t.address, t.port), why, now) for t, why in dead]
 
 
 class DeathProber:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peer_elastic import threads
-from peer_elastic.errors import EtcdError, RevisionCompacted
+from peer_elastic.errors import ClientClosed, EtcdError, RevisionCompacted
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,12 @@ class PrefixWatch:
         self.connected_at = time.monotonic()
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        except ClientClosed:
+            log.debug("watch %s ends: its client was closed", self.prefix)
+
+    def _follow(self) -> None:
         backoff = 0.05
         need_watch = True
         while not self._stopped.is_set():
@@ -121,6 +127,8 @@ class PrefixWatch:
                 except RevisionCompacted:
                     self._recover_compacted()
                     continue
+                except ClientClosed:
+                    raise  # for good: _run ends the watch
                 except EtcdError as exc:
                     log.warning("watch %s: cannot re-create yet: %s", self.prefix, exc)
                     self._stopped.wait(backoff)

@@ -24,7 +24,8 @@ reachability reports of :mod:`peer_elastic.etcd.reach`, which a long wait in a c
 triggers), or this peer itself lost its lease. It first
 gives the training thread a grace (:class:`Loss`) to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
-group that is still current after the grace is cut. Subgroups made at any time in the
+group that is still current after the grace is cut. (No grace where it cannot help: this
+peer lost its own lease, or every lost member's probe port refuses, its process gone.) Subgroups made at any time in the
 generation (``dist.new_group`` in a reset callback or in the training function, a device
 mesh, DDP over a subgroup) are cut with their group: every gloo group publishes its
 listeners' addresses through the generation's store, and :meth:`GroupConnections.touching`

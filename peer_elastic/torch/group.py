@@ -39,7 +39,7 @@ import torch.distributed as dist
 from peer_elastic import threads
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
-from peer_elastic.etcd.deaths import probeable, refused
+from peer_elastic.etcd.deaths import ProbeTarget, all_gone, probeable, refusing
 from peer_elastic.etcd.reach import ReachReporter
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
@@ -67,8 +67,9 @@ log = logging.getLogger(__name__)
 
 #: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
 _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-#: A collective that has waited this long (or two join timeouts, if longer) makes the rank
-#: probe its group's members, then again every _STALL_PROBE_EVERY_S while it waits.
+#: A collective that has waited this long makes the rank probe its group's members for a
+#: death (a refused probe), and once it has waited two join timeouts (if longer) for their
+#: reachability too; then again every _STALL_PROBE_EVERY_S while it waits.
 _STALL_PROBE_AFTER_S = 2.0
 _STALL_PROBE_EVERY_S = 5.0
 #: How long an abandoned group's connections keep room for gloo's queued sends before they
@@ -139,6 +140,9 @@ class FormedGroup:
     wait_s: float  # waiting for acks
     init_s: float  # init_process_group
     incarnation: int = 0  # the coordinator's registration this group was formed under
+    # Where the roster's probe listeners were when it formed: a member dropped since is no
+    # longer in the view, and its probe is what says whether its process is gone.
+    probes: tuple[ProbeTarget, ...] = ()
 
     @property
     def generation(self) -> int:
@@ -296,8 +300,12 @@ class GroupManager:
                     self._mark_broken(a.generation, f"rendezvous failed: {exc}")
                 continue
             t2 = time.monotonic()
+            snap = coord.snapshot()
+            probes = tuple(probeable(snap, coord.member_id, [
+                m for i in a.roster if (m := snap.members.get(i)) is not None]))
             with self._lock:
-                self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation)
+                self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation,
+                                           probes)
                 self._connections, self._listeners = connections, listeners
             if guard is not None and guard.fired is not None:
                 # Formed only because the guard handed gloo closed sockets: broken.
@@ -307,6 +315,9 @@ class GroupManager:
                 coord.check()
                 continue
             coord.view.wake()
+            # Before the sync and the reset callbacks: a program one of them starts must not
+            # hold the group's connections either (the callbacks' subgroups: Peer._reset).
+            self.keep_connections_from_exec()
             log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
                      a.generation, a.rank, a.size, t1 - t0, t2 - t1)
             return self.current
@@ -372,9 +383,14 @@ class GroupManager:
         A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
         did this peer if it lost its registration since the group formed. The training
         thread gets a join timeout to leave such a group by itself, so that a step merely in
-        progress is not thrown away; none when this peer itself is the one that lost its
+        progress is not thrown away. None when this peer itself is the one that lost its
         lease: its step is thrown away anyway, and it registers again only once it is out
-        (``left_lost_registration``).
+        (``left_lost_registration``). None either when every lost member's probe port
+        refuses now (its process is gone) and none of them left gracefully: no step that
+        waits on it can complete, and a collective normally fails at once on its closed
+        connections; one still waiting means that something else holds them open (a
+        program it started that inherited them, a child forked outside Python), and would
+        hold this peer there for the whole grace.
         """
         if group.assignment.size <= 1:
             return None  # alone: no collective can wait on anyone
@@ -384,7 +400,15 @@ class GroupManager:
             return None  # finished: peers leave one by one, nothing is stuck
         own = reason.cause is StopCause.LEASE_LOST or (
             reason.cause is StopCause.PEER_LOST and coord.member_id in reason.lost)
-        return Loss(reason.detail, 0.0 if own else self._join_timeout_s())
+        if own:
+            return Loss(reason.detail, 0.0)
+        if reason.cause is StopCause.PEER_LOST and not (
+                set(reason.lost) & coord.snapshot().drains):
+            deaths = all_gone(group.probes, reason.lost)
+            if deaths is not None:
+                return Loss(f"{reason.detail}; " + ", ".join(
+                    f"{d.member_id}: {d.describe()}" for d in deaths), 0.0)
+        return Loss(reason.detail, self._join_timeout_s())
 
     @property
     def has_unmarked_connections(self) -> bool:
@@ -446,20 +470,28 @@ class GroupManager:
         """The training thread has waited on its peers for ``waited_s`` without a break (the
         hang monitor says so about every second while it does).
 
-        A member cut off from the others but not from etcd keeps its lease, so nothing ends
-        such a wait before the collective timeout. So once it has lasted two join timeouts
-        (at least 2 s), the current group's members are probed on a thread of their own,
-        again every 5 s while the wait lasts, and the unreachable ones are reported
-        (:mod:`peer_elastic.etcd.reach`): the leader leaves the cut-off side out, and the
-        hang watchdog abandons the group (cause ``CUT_OFF``). A live member answers the
-        probe however slow or stopped it is (its kernel accepts), so a straggler costs
-        this only a few connections.
+        Two things end such a wait late or never, and both are looked for on a thread of
+        their own once it has lasted 2 s, then every 5 s while it lasts:
+
+        * a member that died while something else holds its connections open (a program it
+          started inherited them): nothing fails here, and the leader, which sees every
+          ack, has no reason to probe it. A refused probe is proof: the generation is
+          marked broken, naming it, so the leader confirms the death and drops it, and
+          the hang watchdog abandons the group at once (:meth:`lost_peer`).
+        * a member cut off from the others but not from etcd keeps its lease. Once the wait
+          has lasted two join timeouts too, the unreachable members are reported
+          (:mod:`peer_elastic.etcd.reach`): the leader leaves the cut-off side out, and the
+          hang watchdog abandons the group (cause ``CUT_OFF``).
+
+        A live member answers the probe however slow or stopped it is (its kernel
+        accepts), so a straggler costs this only a few connections.
         """
         group = self.current
         if group is None or group.assignment.size <= 1:
             return
-        if waited_s < max(_STALL_PROBE_AFTER_S, 2 * self._join_timeout_s()):
+        if waited_s < _STALL_PROBE_AFTER_S:
             return
+        reach = waited_s >= 2 * self._join_timeout_s()
         now = time.monotonic()
         with self._lock:
             if now < self._next_stall_probe or (
@@ -467,13 +499,22 @@ class GroupManager:
                 return
             self._next_stall_probe = now + _STALL_PROBE_EVERY_S
             self._stall_probe = threads.start(self._probe_waited_group, "stall-probe",
-                                              args=(group, waited_s))
+                                              args=(group, waited_s, reach))
 
-    def _probe_waited_group(self, group: FormedGroup, waited_s: float) -> None:
+    def _probe_waited_group(self, group: FormedGroup, waited_s: float, reach: bool) -> None:
         try:
-            if group is self.current:
-                self._report_unreachable(group.assignment, f"a collective has waited "
-                                                           f"{waited_s:.0f} s")
+            if group is not self.current:
+                return
+            context = f"a collective has waited {waited_s:.0f} s"
+            dead = refusing(group.probes)
+            if dead:
+                names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}"
+                                  for t, _ in dead)
+                log.warning("generation %d: %s: %s died (probe refused)", group.generation,
+                            context, names)
+                self._mark_broken(group.generation, f"{names} died ({context}; probe refused)")
+            elif reach:
+                self._report_unreachable(group.assignment, context)
         except Exception:  # a thread of its own: nothing else would see it fail
             log.exception("probing generation %d's members failed", group.generation)
 
@@ -603,9 +644,7 @@ class GroupManager:
                             [m for i in a.roster if (m := snap.members.get(i)) is not None])
         if not targets:
             return None
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            answers = list(pool.map(lambda t: refused(t.address, t.port), targets))
-        dead = [t for t, why in zip(targets, answers, strict=True) if why is not None]
+        dead = [t for t, _ in refusing(targets)]
         if not dead:  # or cut off from this peer by the network
             self._report_unreachable(a, "the group has been forming for long")
             return None

@@ -56,7 +56,10 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_EXEC_CHILD=1`` (with ``WORKER_LOADER_HOLD``): after the first commit of each
   entry of the training function it also starts a program that waits for the hold file,
   keeping every descriptor the peer lets a program inherit (``close_fds=False``, as
-  ``os.system`` does); ``FORKED`` is printed after that.
+  ``os.system`` does); ``FORKED`` is printed after that. ``WORKER_EXEC_CHILD=early`` starts
+  it as soon as the entry made its children instead, before any check: a program started
+  there (between a subgroup's creation and the next check) inherits the subgroup's
+  connections, which only a check marks close-on-exec.
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
@@ -116,7 +119,9 @@ DDP_HOOK = os.environ.get("WORKER_DDP_HOOK") == "1"
 LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 LOADER_HOLD = os.environ.get("WORKER_LOADER_HOLD")
 FORKED_HELPER = os.environ.get("WORKER_FORKED_HELPER") == "1"
-EXEC_CHILD = os.environ.get("WORKER_EXEC_CHILD") == "1"
+EXEC_CHILD = os.environ.get("WORKER_EXEC_CHILD", "")  # "1": after the first commit; "early"
+if EXEC_CHILD not in ("", "1", "early"):
+    raise SystemExit(f"WORKER_EXEC_CHILD={EXEC_CHILD!r}: expected 1 or early")
 if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
@@ -327,8 +332,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 next(loaders[-1])
             # The program starts after the entry's first commit, as a training loop's
             # upload would run (the subgroup made above exists then).
-            program_due = EXEC_CHILD and bool(LOADER_HOLD)
-            if (LOADER_WORKERS or FORKED_HELPER) and not program_due:
+            program_due = EXEC_CHILD == "1" and bool(LOADER_HOLD)
+            if EXEC_CHILD == "early" and LOADER_HOLD:
+                start_waiting_program(programs)
+            if (LOADER_WORKERS or FORKED_HELPER or EXEC_CHILD == "early") and not program_due:
                 say("FORKED", os.getpid())  # its children of this entry run now
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole
