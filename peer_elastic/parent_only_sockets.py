@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 from collections.abc import Iterable
 
 from peer_elastic.netaddr import plain_ip
-from peer_elastic.process_sockets import open_socket, socket_inodes
+from peer_elastic.process_sockets import Address, socket_inodes, tcp_ends
 
 __all__ = ["ParentOnlySockets"]
-
-Address = tuple[str, int]  # (plain ip, port)
 
 _lock = threading.Lock()
 _keys = itertools.count()
@@ -75,26 +72,6 @@ def _publish() -> None:
                 frozenset().union(*(a for _, a in _owned.values())))
 
 
-def _ends(fd: int, inode: int) -> tuple[Address | None, Address | None]:
-    """(local, remote) of TCP socket ``fd``; None for an end it has not (a listener's
-    remote) and for anything but TCP."""
-    sock = open_socket(fd, inode)
-    if sock is None:
-        return None, None
-    with sock:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) \
-                or sock.type != socket.SOCK_STREAM:
-            return None, None
-        ends: list[Address | None] = []
-        for name in (sock.getsockname, sock.getpeername):
-            try:
-                end = name()
-                ends.append((plain_ip(end[0]), end[1]))
-            except OSError:  # not connected
-                ends.append(None)
-    return ends[0], ends[1]
-
-
 def _in_child() -> None:
     inodes, addresses = _picture
     if not inodes and not addresses:
@@ -106,7 +83,7 @@ def _in_child() -> None:
     try:
         for inode, fd in socket_inodes().items():
             if inode not in inodes and not (addresses and addresses.intersection(
-                    _ends(fd, inode))):
+                    tcp_ends(fd, inode))):
                 continue
             try:
                 os.dup2(devnull, fd, inheritable=False)

@@ -10,7 +10,11 @@ import os
 import socket
 from collections.abc import Collection
 
-__all__ = ["keep_from_exec", "open_socket", "socket_inodes"]
+from peer_elastic.netaddr import plain_ip
+
+__all__ = ["Address", "keep_from_exec", "open_socket", "socket_inodes", "tcp_ends"]
+
+Address = tuple[str, int]  # (plain ip, port)
 
 _FD_DIR = "/proc/self/fd"
 
@@ -47,6 +51,27 @@ def open_socket(fd: int, inode: int) -> socket.socket | None:
     except OSError:
         os.close(dup)
         return None
+
+
+def tcp_ends(fd: int, inode: int) -> tuple[Address | None, Address | None]:
+    """(local, remote) of ``fd`` if it still is TCP socket ``inode``, each as (plain ip,
+    port); None for an end it has not (a listener's remote) and for anything but TCP.
+    Plain: an IPv4 end of a dual-stack socket shows as ``::ffff:a.b.c.d``."""
+    sock = open_socket(fd, inode)
+    if sock is None:
+        return None, None
+    with sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                or sock.type != socket.SOCK_STREAM:
+            return None, None
+        ends: list[Address | None] = []
+        for name in (sock.getsockname, sock.getpeername):
+            try:
+                end = name()
+                ends.append((plain_ip(end[0]), end[1]))
+            except OSError:  # not connected, or closed meanwhile
+                ends.append(None)
+    return ends[0], ends[1]
 
 
 def keep_from_exec(inodes: Collection[int]) -> int:

@@ -24,8 +24,9 @@ reachability reports of :mod:`peer_elastic.etcd.reach`, which a long wait in a c
 triggers), or this peer itself lost its lease. It first
 gives the training thread a grace (:class:`Loss`) to leave the group on its own, at its next
 ``check_host_updates()``, so a step that is merely in progress is never thrown away; only a
-group that is still current after the grace is cut. (No grace where it cannot help: this
-peer lost its own lease, or every lost member's probe port refuses, its process gone.) Subgroups made at any time in the
+group that is still current after the grace is cut. (No grace where it cannot help, when
+this peer lost its own lease; a short one when every lost member's probe port refuses, its
+process gone.) Subgroups made at any time in the
 generation (``dist.new_group`` in a reset callback or in the training function, a device
 mesh, DDP over a subgroup) are cut with their group: every gloo group publishes its
 listeners' addresses through the generation's store, and :meth:`GroupConnections.touching`
@@ -46,40 +47,21 @@ from typing import Generic, Protocol, TypeVar
 
 from peer_elastic import threads
 from peer_elastic.netaddr import plain_ip
-from peer_elastic.process_sockets import open_socket, socket_inodes
+from peer_elastic.process_sockets import open_socket, socket_inodes, tcp_ends
 
 log = logging.getLogger(__name__)
 
-def _peer_of(sock: socket.socket) -> tuple[str, int] | None:
-    """The remote (host, port) of a connected TCP socket, else None (listeners included)."""
-    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-        return None
-    try:
-        peer = sock.getpeername()
-    except OSError:  # not connected: a listener. Shutting gloo's listener down kills the
-        return None  # process (its accept loop treats the error as fatal).
-    return peer[0], peer[1]
-
-
 def _connections(skip: Collection[int] = (),
                  ) -> Iterator[tuple[int, tuple[str, int], tuple[str, int]]]:
-    """``(inode, remote (host, port), local (host, port))`` of each connected TCP socket of
-    this process whose inode is not in ``skip``; listeners are never included."""
+    """``(inode, remote (plain ip, port), local (plain ip, port))`` of each connected TCP
+    socket of this process whose inode is not in ``skip``. Never a listener: shutting
+    gloo's listener down kills the process (its accept loop treats the error as fatal)."""
     for inode, fd in socket_inodes().items():
         if inode in skip:
             continue
-        sock = open_socket(fd, inode)
-        if sock is None:
-            continue
-        with sock:
-            peer = _peer_of(sock)
-            if peer is None:
-                continue
-            try:
-                local = sock.getsockname()
-            except OSError:  # closed meanwhile
-                continue
-        yield inode, peer, (local[0], local[1])
+        local, remote = tcp_ends(fd, inode)
+        if local is not None and remote is not None:
+            yield inode, remote, local
 
 
 class GroupConnections:
@@ -121,8 +103,7 @@ class GroupConnections:
         if not endpoints:
             return cls()
         return cls(inode for inode, peer, local in _connections()
-                   if (plain_ip(peer[0]), peer[1]) in endpoints
-                   or (plain_ip(local[0]), local[1]) in endpoints)
+                   if peer in endpoints or local in endpoints)
 
     def merged(self, other: GroupConnections) -> GroupConnections:
         """These connections and ``other``'s (a group's subgroups made after it formed)."""

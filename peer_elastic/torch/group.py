@@ -75,6 +75,8 @@ _STALL_PROBE_EVERY_S = 5.0
 #: How long an abandoned group's connections keep room for gloo's queued sends before they
 #: are shut (GroupConnections.make_room): gloo's loop hands them over within milliseconds.
 _FLUSH_BEFORE_CUT_S = 0.2
+#: The grace of a group whose lost members are all confirmed dead (GroupManager.lost_peer).
+_DEAD_PEER_GRACE_S = 0.5
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
 
@@ -385,12 +387,13 @@ class GroupManager:
         thread gets a join timeout to leave such a group by itself, so that a step merely in
         progress is not thrown away. None when this peer itself is the one that lost its
         lease: its step is thrown away anyway, and it registers again only once it is out
-        (``left_lost_registration``). None either when every lost member's probe port
+        (``left_lost_registration``). A short one when every lost member's probe port
         refuses now (its process is gone) and none of them left gracefully: no step that
         waits on it can complete, and a collective normally fails at once on its closed
-        connections; one still waiting means that something else holds them open (a
-        program it started that inherited them, a child forked outside Python), and would
-        hold this peer there for the whole grace.
+        connections, so the training thread is on its way out already (the grace spares
+        it a race with its own teardown); one still waiting means that something else
+        holds them open (a program it started that inherited them, a child forked outside
+        Python), and would hold this peer there for the whole join timeout.
         """
         if group.assignment.size <= 1:
             return None  # alone: no collective can wait on anyone
@@ -407,7 +410,8 @@ class GroupManager:
             deaths = all_gone(group.probes, reason.lost)
             if deaths is not None:
                 return Loss(f"{reason.detail}; " + ", ".join(
-                    f"{d.member_id}: {d.describe()}" for d in deaths), 0.0)
+                    f"{d.member_id}: {d.describe()}" for d in deaths),
+                    min(_DEAD_PEER_GRACE_S, self._join_timeout_s()))
         return Loss(reason.detail, self._join_timeout_s())
 
     @property

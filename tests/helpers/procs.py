@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -125,44 +124,6 @@ def gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def tcp_connections(pid: int) -> list[tuple[int, tuple[str, int], tuple[str, int]]]:
-    """``(fd, local (ip, port), remote (ip, port))`` of each connected TCP socket process
-    ``pid`` holds (listeners left out), from ``/proc``; [] once it is gone."""
-    table: dict[int, tuple[tuple[str, int], tuple[str, int]]] = {}
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            rows = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            return []
-        for row in rows:
-            fields = row.split()
-            local, remote, inode = fields[1], fields[2], int(fields[9])
-            if remote.endswith(":0000"):  # a listener
-                continue
-            table[inode] = (_proc_address(local, family), _proc_address(remote, family))
-    found = []
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and int(target[8:-1]) in table:
-            found.append((int(fd), *table[int(target[8:-1])]))
-    return found
-
-
-def _proc_address(field: str, family: int) -> tuple[str, int]:
-    """An address as /proc/net/tcp writes it: the ip's bytes in host order, 32 bits at a
-    time, in hex; a colon; the port in hex."""
-    ip, port = field.split(":")
-    raw = b"".join(int(ip[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(ip), 8))
-    return socket.inet_ntop(family, raw), int(port, 16)
 
 
 def native_stacks(pid: int, timeout: float = 90.0) -> str:
