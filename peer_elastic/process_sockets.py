@@ -56,7 +56,7 @@ def open_socket(fd: int, inode: int) -> socket.socket | None:
 def tcp_ends(fd: int, inode: int) -> tuple[Address | None, Address | None]:
     """(local, remote) of ``fd`` if it still is TCP socket ``inode``, each as (plain ip,
     port); None for an end it has not (a listener's remote) and for anything but TCP.
-    Plain: an IPv4 end of a dual-stack socket shows as ``::ffff:a.b.c.d``."""
+    (Plain: an IPv4 end of a dual-stack socket, ``::ffff:a.b.c.d``, as ``a.b.c.d``.)"""
     sock = open_socket(fd, inode)
     if sock is None:
         return None, None

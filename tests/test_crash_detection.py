@@ -204,7 +204,7 @@ def test_a_dead_peer_s_connections_held_open_by_its_program_do_not_hold_the_othe
     given, so nothing but the lease (45 s here) ended the survivors' wait. A collective
     that waits makes each rank probe its group (GroupManager.waited_on_peers): the refused
     probe marks the generation broken, the leader confirms the death, and the watchdog
-    abandons the group at once, a dead member needing no join timeout (GroupManager.lost_peer)."""
+    abandons the group within half a second, not a join timeout (GroupManager.lost_peer)."""
     end, hold, hang = tmp_path / "end", tmp_path / "hold", tmp_path / "hang"
     a, b, c = start_world_of_3(*cluster.start(
         3, WORKER_END_FILE=end, WORKER_LOADER_HOLD=hold, WORKER_EXEC_CHILD="early",

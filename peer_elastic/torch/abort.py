@@ -51,6 +51,7 @@ from peer_elastic.process_sockets import open_socket, socket_inodes, tcp_ends
 
 log = logging.getLogger(__name__)
 
+
 def _connections(skip: Collection[int] = (),
                  ) -> Iterator[tuple[int, tuple[str, int], tuple[str, int]]]:
     """``(inode, remote (plain ip, port), local (plain ip, port))`` of each connected TCP

@@ -481,7 +481,7 @@ class GroupManager:
           started inherited them): nothing fails here, and the leader, which sees every
           ack, has no reason to probe it. A refused probe is proof: the generation is
           marked broken, naming it, so the leader confirms the death and drops it, and
-          the hang watchdog abandons the group at once (:meth:`lost_peer`).
+          the hang watchdog abandons the group after a short grace (:meth:`lost_peer`).
         * a member cut off from the others but not from etcd keeps its lease. Once the wait
           has lasted two join timeouts too, the unreachable members are reported
           (:mod:`peer_elastic.etcd.reach`): the leader leaves the cut-off side out, and the
