@@ -59,7 +59,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   ``os.system`` does); ``FORKED`` is printed after that. ``WORKER_EXEC_CHILD=early`` starts
   it as soon as the entry made its children instead, before any check: a program started
   there (between a subgroup's creation and the next check) inherits the subgroup's
-  connections, which only a check marks close-on-exec.
+  connections, which only a check marks close-on-exec. ``WORKER_EXEC_CHILD=linger`` (no hold
+  file needed) starts one there too, replacing the last entry's, that keeps what it inherited
+  until 3 s after the peer ends: a killed peer's subgroup connections stay open that long.
 * ``WORKER_FORKED_HELPER=1``: each time the training function is entered it stops the
   helper process it started last time (``terminate()``: SIGTERM), prints ``HELPER <pid>
   ended`` or ``HELPER <pid> alive`` (still running 30 s later), and forks a new one (a
@@ -120,8 +122,8 @@ LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 LOADER_HOLD = os.environ.get("WORKER_LOADER_HOLD")
 FORKED_HELPER = os.environ.get("WORKER_FORKED_HELPER") == "1"
 EXEC_CHILD = os.environ.get("WORKER_EXEC_CHILD", "")  # "1": after the first commit; "early"
-if EXEC_CHILD not in ("", "1", "early"):
-    raise SystemExit(f"WORKER_EXEC_CHILD={EXEC_CHILD!r}: expected 1 or early")
+if EXEC_CHILD not in ("", "1", "early", "linger"):
+    raise SystemExit(f"WORKER_EXEC_CHILD={EXEC_CHILD!r}: expected 1, early or linger")
 if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
@@ -179,6 +181,18 @@ def start_waiting_program(programs: list[subprocess.Popen[bytes]]) -> None:
     programs.append(subprocess.Popen(
         ["sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.1; done', str(LOADER_HOLD)],
         close_fds=False))
+
+
+def start_lingering_program(programs: list[subprocess.Popen[bytes]]) -> None:
+    """WORKER_EXEC_CHILD=linger: end the last entry's program and start one that keeps every
+    descriptor it may inherit (close_fds=False) until 3 s after this peer ends."""
+    while programs:
+        old = programs.pop()
+        old.kill()
+        old.wait(30)
+    programs.append(subprocess.Popen(
+        ["sh", "-c", 'while kill -0 "$0" 2>/dev/null; do sleep 0.2; done; sleep 3',
+         str(os.getpid())], close_fds=False))
 
 
 def restart_helper(helpers: list[multiprocessing.process.BaseProcess]) -> None:
@@ -335,7 +349,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
             program_due = EXEC_CHILD == "1" and bool(LOADER_HOLD)
             if EXEC_CHILD == "early" and LOADER_HOLD:
                 start_waiting_program(programs)
-            if (LOADER_WORKERS or FORKED_HELPER or EXEC_CHILD == "early") and not program_due:
+            if EXEC_CHILD == "linger":
+                start_lingering_program(programs)
+            if (LOADER_WORKERS or FORKED_HELPER or EXEC_CHILD in ("early", "linger")) \
+                    and not program_due:
                 say("FORKED", os.getpid())  # its children of this entry run now
             # The end is agreed only at an epoch's start: re-entered after a reset in the
             # middle of an epoch, the job finishes that epoch first (the oracle checks whole

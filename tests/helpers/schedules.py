@@ -115,7 +115,9 @@ class Pattern:
     snapshots: bool = False
     # Every peer forks, each time it enters its training function, a DataLoader worker and a
     # multiprocessing helper (which it terminate()s at the next entry): children that hold
-    # copies of its descriptors and signal handlers through every event.
+    # copies of its descriptors and signal handlers through every event. It also runs a
+    # program there that keeps what it inherits until 3 s after the peer ends: with DDP over
+    # a subgroup the training function makes, a killed peer's subgroup connections.
     forks: bool = False
 
     def env(self) -> dict[str, object]:
@@ -124,7 +126,8 @@ class Pattern:
                 "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup,
                 "WORKER_DDP_HOOK": int(self.ddp_hook),
                 "WORKER_LOADER_WORKERS": int(self.forks),
-                "WORKER_FORKED_HELPER": int(self.forks)}
+                "WORKER_FORKED_HELPER": int(self.forks),
+                "WORKER_EXEC_CHILD": "linger" if self.forks else ""}
 
     def describe(self) -> str:
         where = {"": "", "1": " (over a subgroup)",
