@@ -364,7 +364,8 @@ class Peer:
                 # Once the callbacks made their subgroups (the group's own connections were
                 # marked when it formed): no program the training function runs (os.system)
                 # may hold this peer's connections past its death.
-                self.groups.keep_connections_from_exec()
+                if self.groups.has_unmarked_connections:
+                    self.groups.keep_connections_from_exec()
                 self._pending_timing = {"formed": formed_unix, "synced": time.time(),
                                         "gen": self.coordinator.latest_generation}
                 break

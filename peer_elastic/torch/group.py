@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -130,6 +130,11 @@ def destroy_default_group(connections: GroupConnections) -> int:
     except Exception as exc:  # a broken group may complain while closing
         log.debug("destroying process group: %s", exc)
     return connections.cut()
+
+
+def _where(targets: Iterable[ProbeTarget]) -> str:
+    """``member at host:port, ...`` for log lines and broken-generation details."""
+    return ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in targets)
 
 
 @dataclass(frozen=True)
@@ -512,8 +517,7 @@ class GroupManager:
             context = f"a collective has waited {waited_s:.0f} s"
             dead = refusing(group.probes)
             if dead:
-                names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}"
-                                  for t, _ in dead)
+                names = _where(t for t, _ in dead)
                 log.warning("generation %d: %s: %s died (probe refused)", group.generation,
                             context, names)
                 self._mark_broken(group.generation, f"{names} died ({context}; probe refused)")
@@ -652,7 +656,7 @@ class GroupManager:
         if not dead:  # or cut off from this peer by the network
             self._report_unreachable(a, "the group has been forming for long")
             return None
-        names = ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in dead)
+        names = _where(dead)
         log.warning("generation %d: %s died while the group formed (probe refused)",
                     a.generation, names)
         self._mark_broken(a.generation, f"{names} died while the group formed")
