@@ -58,6 +58,7 @@ from peer_elastic.torch.collectives import (
     broadcast_tensors,
     broadcast_validated,
     is_sync_source,
+    start_layout_check,
     world_size,
 )
 
@@ -330,6 +331,9 @@ class TorchState(ObjectState):
             self._sync_described()
 
     def _sync_described(self) -> None:
+        # The layout check travels while this rank describes its handlers (and the source
+        # encodes the plain part): both are on every sync's critical path.
+        layout = start_layout_check(self._layout(), "TorchState layout")
         source = is_sync_source()
         described = {name: describe_for_sync(handler) for name, handler in
                      sorted(self._handlers.items())}
@@ -344,7 +348,7 @@ class TorchState(ObjectState):
             except TypeError as exc:
                 payload, refusal = None, exc
         try:
-            raw = broadcast_validated(payload, self._layout(), "TorchState layout")
+            raw = broadcast_validated(payload, layout, "TorchState layout")
         except SourceCannotSend:
             if refusal is not None:
                 raise refusal from None

@@ -31,6 +31,7 @@ from peer_elastic.torch.collectives import (
     broadcast_tensors,
     broadcast_validated,
     halves,
+    start_layout_check,
     syncing_from,
 )
 
@@ -506,7 +507,8 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
     # only the source's may arrive.
     with syncing_from(1):
         out["validated"] = [
-            broadcast_validated(_payload(rank, n), "same layout", "test", inline=8).hex()
+            broadcast_validated(_payload(rank, n), start_layout_check("same layout", "test"),
+                                "test", inline=8).hex()
             for n in _PAYLOAD_LENGTHS
         ]
 

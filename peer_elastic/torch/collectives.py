@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from peer_elastic.agreement import Agreement, Claim, StateVersion, agree, holders
 from peer_elastic.codec import decode_values, encode_values
+from peer_elastic.torch.direct_all_reduce import start_all_reduce
 from peer_elastic.torch.snapshots import copy_all
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_DIRECT_BYTES",
     "DEFAULT_INLINE_BYTES",
     "DEFAULT_SPLIT_BYTES",
+    "LayoutCheck",
     "SourceCannotSend",
     "agree_and_sync",
     "all_reduce_max_inplace",
@@ -48,6 +50,7 @@ __all__ = [
     "plan_buckets",
     "staging_device",
     "shard_bounds",
+    "start_layout_check",
     "sync_holders",
     "sync_source",
     "syncing_from",
@@ -192,18 +195,16 @@ def broadcast_plain(value: Any, what: str = "value") -> Any:
     return decode_values(broadcast_bytes(payload))["v"]
 
 
-_DIGEST_BYTES = 28  # 224 bits of SHA-256: equal digests mean equal descriptions
 _LENGTH_BYTES = 8
 #: The length the source puts in the header when it has no payload to send (it refused a
-#: value): the MAX over ranks, since the others put zeros.
+#: value).
 _REFUSED = 2 ** (8 * _LENGTH_BYTES) - 1
-_COMPLEMENT = bytes(range(255, -1, -1))  # bytes.translate table: b -> 255 - b
 
 DEFAULT_INLINE_BYTES = 16 * 2**10
-"""Payload bytes :func:`broadcast_validated` carries inside its layout check. An optimizer's
+"""Payload bytes :func:`broadcast_validated` carries in its header broadcast. An optimizer's
 description takes about 100-200 bytes per parameter tensor, so a model of up to about a
-hundred tensors needs no second collective; the check costs the same at this size as with
-no payload at all (a small all-reduce is all latency)."""
+hundred tensors needs no second broadcast; a broadcast of this size costs what one of 64
+bytes does (gloo, loopback: 0.23 ms at world 2, 0.7 ms at world 4)."""
 
 
 class SourceCannotSend(TypeError):
@@ -211,56 +212,103 @@ class SourceCannotSend(TypeError):
     payload to send (it refused one of its values: its own error names the value)."""
 
 
-def _header(description: str, payload: bytes | None, is_src: bool,
-            inline: int) -> torch.Tensor:
-    """What a rank puts into the layout check's MAX all-reduce, as bytes: the description's
-    digest, the digest's complement (the MAX of ``255 - b`` gives the minimum of ``b``, so
-    every rank sees whether some rank differs), the source's payload length (``_REFUSED``
-    for none) and its first ``inline`` bytes. Other ranks put zeros where the source's length
-    and payload go."""
-    digest = hashlib.sha256(description.encode("utf-8")).digest()[:_DIGEST_BYTES]
-    header = bytearray(2 * _DIGEST_BYTES + _LENGTH_BYTES + inline)
-    header[:_DIGEST_BYTES] = digest
-    header[_DIGEST_BYTES:2 * _DIGEST_BYTES] = digest.translate(_COMPLEMENT)
+def _layout_words(description: str) -> torch.Tensor:
+    """``[d, ~d]``, where ``d`` is the first 8 bytes of the description's SHA-256 as a signed
+    64-bit integer. After a MAX all-reduce the first word is the highest ``d`` and the
+    second the complement of the lowest (``~`` reverses the order), so every rank sees
+    whether some rank's ``d`` differs from the others'."""
+    d = int.from_bytes(hashlib.sha256(description.encode("utf-8")).digest()[:8], "big",
+                       signed=True)
+    return torch.tensor([d, ~d], dtype=torch.int64)
+
+
+class LayoutCheck:
+    """A layout check in flight: one MAX all-reduce of two 64-bit words
+    (:func:`_layout_words`), issued by :func:`start_layout_check` so that it travels while
+    the rank does other work (the sync source describes and encodes its state meanwhile),
+    and completed by :meth:`wait`.
+
+    Why two words and not the whole digest: gloo reduces one or two elements in about one
+    round trip, while three or more take its ring (2(P-1) steps, each a wake-up of every
+    process). Measured on loopback, 2 cores: 0.30 ms against 0.75 ms (p75 3.5 ms) at world
+    2, 1.0 ms against 6.2 ms at world 4. An accidental mismatch goes unseen with
+    probability 2**-64.
+    """
+
+    def __init__(self, description: str, what: str) -> None:
+        self._description = description
+        self._what = what
+        self._words = _layout_words(description)
+        stage = staging_device()
+        self._wire = self._words.to(stage) if stage is not None else self._words
+        self._work = start_all_reduce(self._wire, dist.ReduceOp.MAX)
+        self._done = False
+
+    def wait(self) -> None:
+        """Raise ValueError on EVERY rank unless all ranks have the same description
+        (idempotent: a second call returns at once or raises again)."""
+        if not self._done:
+            self._work.wait()
+            if self._wire is not self._words:
+                self._words.copy_(self._wire.cpu())
+            self._done = True
+        highest, flipped = (int(w) for w in self._words.tolist())
+        if highest != ~flipped:
+            raise ValueError(
+                f"{self._what} differs between ranks; every peer must build the same models, "
+                f"optimizers and state attributes. This rank's layout begins: "
+                f"{self._description[:300]!r}"
+            )
+
+
+def start_layout_check(description: str, what: str) -> LayoutCheck:
+    """Collective: issue the check that every rank has the same ``description`` (``what``
+    names it in the error); :meth:`LayoutCheck.wait` completes it."""
+    return LayoutCheck(description, what)
+
+
+def check_same_everywhere(description: str, what: str) -> None:
+    """Raise ValueError on EVERY rank unless all ranks have the same ``description`` (one
+    all-reduce of two words; see :class:`LayoutCheck`)."""
+    start_layout_check(description, what).wait()
+
+
+def _header(payload: bytes | None, is_src: bool, inline: int) -> bytearray:
+    """What the header broadcast carries: the source's payload length (``_REFUSED`` for
+    none) and its first ``inline`` bytes. Only the source's is sent; the others receive
+    into theirs."""
+    header = bytearray(_LENGTH_BYTES + inline)
     if is_src:
-        at = 2 * _DIGEST_BYTES
         length = _REFUSED if payload is None else len(payload)
-        header[at:at + _LENGTH_BYTES] = length.to_bytes(_LENGTH_BYTES, "big")
+        header[:_LENGTH_BYTES] = length.to_bytes(_LENGTH_BYTES, "big")
         head = (payload or b"")[:inline]
-        header[at + _LENGTH_BYTES:at + _LENGTH_BYTES + len(head)] = head
-    return torch.frombuffer(header, dtype=torch.uint8)
+        header[_LENGTH_BYTES:_LENGTH_BYTES + len(head)] = head
+    return header
 
 
-def broadcast_validated(payload: bytes | None, description: str, what: str,
+def broadcast_validated(payload: bytes | None, layout: LayoutCheck, what: str,
                         inline: int = DEFAULT_INLINE_BYTES) -> bytes:
-    """The sync source's ``payload`` on every rank, once all ranks' ``description`` agree.
+    """The sync source's ``payload`` on every rank, once ``layout`` (every rank's check of
+    the same structure, started earlier) passed.
 
     Only the source's ``payload`` is read: the other ranks may pass ``b""``. Raises
-    ValueError on EVERY rank unless all ranks have the same ``description``: a mismatched
-    structure would otherwise make the bucketed broadcasts disagree on sizes and hang or
-    corrupt memory. One MAX all-reduce of a byte header (:func:`_header`) checks the
-    descriptions and carries the source's payload when it fits in ``inline`` bytes (every
-    rank must pass the same ``inline``); a longer payload's rest follows in one broadcast.
-    A source that passes None (it could not encode its payload) makes every rank raise
-    :class:`SourceCannotSend` after the layout check, instead of leaving them waiting.
+    ValueError on EVERY rank unless all ranks have the same layout (:class:`LayoutCheck`):
+    a mismatched structure would otherwise make the bucketed broadcasts disagree on sizes
+    and hang or corrupt memory. Then one broadcast of
+    a header (the payload's length and its first ``inline`` bytes; every rank must pass the
+    same ``inline``), and one of the rest when the payload is longer. A source that passes
+    None (it could not encode its payload) makes every rank raise :class:`SourceCannotSend`
+    after the header, instead of leaving them waiting.
     """
+    layout.wait()
     is_src = is_sync_source()
-    header = _header(description, payload, is_src, inline)
-    all_reduce_max_inplace(header)
-    got = header.numpy().tobytes()
-    highest = got[:_DIGEST_BYTES]
-    lowest = got[_DIGEST_BYTES:2 * _DIGEST_BYTES].translate(_COMPLEMENT)
-    if highest != lowest:
-        raise ValueError(
-            f"{what} differs between ranks; every peer must build the same models, "
-            f"optimizers and state attributes. This rank's layout begins: {description[:300]!r}"
-        )
-    at = 2 * _DIGEST_BYTES
-    n = int.from_bytes(got[at:at + _LENGTH_BYTES], "big")
+    header = _header(payload, is_src, inline)
+    broadcast_inplace(torch.frombuffer(header, dtype=torch.uint8))
+    n = int.from_bytes(header[:_LENGTH_BYTES], "big")
     if n == _REFUSED:
         raise SourceCannotSend(f"{what}: the sync source (rank {sync_source()}) holds a value "
                                "that sync() cannot send; its own error names it")
-    head = got[at + _LENGTH_BYTES:at + _LENGTH_BYTES + min(n, inline)]
+    head = bytes(header[_LENGTH_BYTES:_LENGTH_BYTES + min(n, inline)])
     if n <= inline:
         return head
     if is_src:
@@ -270,12 +318,6 @@ def broadcast_validated(payload: bytes | None, description: str, what: str,
         rest = torch.empty(n - inline, dtype=torch.uint8)
     broadcast_inplace(rest)
     return head + rest.numpy().tobytes()
-
-
-def check_same_everywhere(description: str, what: str) -> None:
-    """Raise ValueError on EVERY rank unless all ranks have the same ``description`` (one
-    tiny all-reduce; see :func:`broadcast_validated`)."""
-    broadcast_validated(b"", description, what, inline=0)
 
 
 @dataclass
