@@ -1,7 +1,8 @@
 """State sync against a raw broadcast of the same bytes, side by side in one run.
 
-(a) Two processes (gloo), for models of about 0.4M, 50M and 200M parameters with Adam after
-    one step: ``TorchState.sync()`` from rank 0 into a rank holding other values, the whole
+(a) Two processes (gloo; ``--pair-world N`` for more), for models of about 0.4M, 50M and
+    200M parameters with Adam after one step: ``TorchState.sync()`` from rank 0 into ranks
+    holding other values, the whole
     reset-time path ``agree_and_sync`` (claims all-gather, sync, the receiver's restore point
     refreshed; rank 0's restore point already holds the agreed version, as after an
     interrupt at a commit), and a raw ``dist.broadcast`` of one tensor with as many bytes as
@@ -21,6 +22,7 @@ Usage::
     python benchmarks/bench_sync.py --out sync.json                    # default (~3-5 min)
     python benchmarks/bench_sync.py --sizes 0.4,50 --reps 5 --out s.json
     python benchmarks/bench_sync.py --quick --out sync_quick.json       # small, seconds
+    python benchmarks/bench_sync.py --sizes 0.4 --join-size 0 --pair-world 4 --out w4.json
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def bench_pair(rank: int, millions: float, reps: int) -> dict[str, Any]:
         "agree_and_sync": lambda: agree_and_sync(state, claim, torch.device("cpu"),
                                                  committed=committed),
     }, reps)
-    out = {"millions": millions, "params": sum(p.numel() for p in model.parameters()),
+    out = {"millions": millions, "world": dist.get_world_size(),
+           "params": sum(p.numel() for p in model.parameters()),
            "tensors": len(tensors), "bytes": nbytes, "digest": digest(state_tensors(model, opt)), **times,
            "sync_share": share(times["raw_broadcast"], times["sync"]),
            "agree_and_sync_share": share(times["raw_broadcast"], times["agree_and_sync"])}
@@ -210,7 +213,7 @@ def _pct(r: dict) -> str:
 def print_table(res: dict[str, Any]) -> None:
     for r in res["pair"]:
         print(f"{r['params'] / 1e6:.1f}M params, {r['tensors']} tensors, "
-              f"{r['bytes'] / 2**20:.1f} MiB, 2 processes:")
+              f"{r['bytes'] / 2**20:.1f} MiB, {r['world']} processes:")
         print(f"  raw broadcast   {_ms(r['raw_broadcast'])}")
         print(f"  sync()          {_ms(r['sync'])}  = {_pct(r['sync_share'])} of raw")
         print(f"  agree_and_sync  {_ms(r['agree_and_sync'])}  "
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model size for (b), millions of parameters (0: skip)")
     parser.add_argument("--reps", type=int, default=7, help="repetitions (x4 below 10M params)")
     parser.add_argument("--quick", action="store_true", help="small sizes, runs in seconds")
+    parser.add_argument("--pair-world", type=int, default=2,
+                        help="processes for (a): rank 0 sends, the others receive")
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",") if s] if not args.quick else [0.4, 4.0]
     join_size = 4.0 if args.quick else args.join_size
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     res: dict[str, Any] = {"sizes": sizes, "join_size": join_size, "reps": reps,
                            "load_before": os.getloadavg()}
-    res["pair"] = run_world(2, {"kind": "pair", "sizes": sizes,
+    res["pair"] = run_world(args.pair_world, {"kind": "pair", "sizes": sizes,
                                 "reps": [reps * 4 if m < 10 else reps for m in sizes]})
     res["join"] = [] if not join_size else run_world(4, {
         "kind": "join", "millions": join_size, "reps": reps, "sources": 3})

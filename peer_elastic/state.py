@@ -53,6 +53,7 @@ from peer_elastic.handlers import (
     register_handler,
 )
 from peer_elastic.torch.collectives import (
+    LayoutCheck,
     SourceCannotSend,
     broadcast_bytes,
     broadcast_tensors,
@@ -331,47 +332,56 @@ class TorchState(ObjectState):
             self._sync_described()
 
     def _sync_described(self) -> None:
-        # The layout check travels while this rank describes its handlers (and the source
-        # encodes the plain part): both are on every sync's critical path.
+        # The layout check travels while the source describes its handlers and encodes the
+        # plain part: that is every sync's critical path.
         layout = start_layout_check(self._layout(), "TorchState layout")
-        source = is_sync_source()
-        described = {name: describe_for_sync(handler) for name, handler in
-                     sorted(self._handlers.items())}
-        payload: bytes | None = b""
+        names = sorted(self._handlers)
+        if is_sync_source():
+            self._send_described(layout, names)
+        else:
+            self._receive_described(layout, names)
+
+    def _send_described(self, layout: LayoutCheck, names: list[str]) -> None:
+        described = {name: describe_for_sync(self._handlers[name]) for name in names}
+        # The payload names exactly the described handlers: that tells the others which
+        # handlers sync with their own sync() (they never describe theirs).
+        plain = {name: d.plain for name, d in described.items() if d is not None}
+        values = {name: getattr(self, name) for name in self._names}
+        payload: bytes | None
         refusal: TypeError | None = None
-        if source:
-            values = {name: getattr(self, name) for name in self._names}
-            plain = {name: d.plain for name, d in described.items() if d is not None}
-            try:
-                payload = encode_values({"handlers": plain, "values": values},
-                                        where=type(self).__name__)
-            except TypeError as exc:
-                payload, refusal = None, exc
         try:
-            raw = broadcast_validated(payload, layout, "TorchState layout")
+            payload = encode_values({"handlers": plain, "values": values},
+                                    where=type(self).__name__)
+        except TypeError as exc:
+            payload, refusal = None, exc
+        try:
+            broadcast_validated(payload, layout, "TorchState layout")
         except SourceCannotSend:
             if refusal is not None:
                 raise refusal from None
             raise
-        received = None if source else decode_values(raw)
+        broadcast_tensors([t for d in described.values() if d is not None for t in d.tensors])
+        for name, description in described.items():
+            if description is None:
+                self._handlers[name].sync()
+
+    def _receive_described(self, layout: LayoutCheck, names: list[str]) -> None:
+        received = decode_values(broadcast_validated(b"", layout, "TorchState layout"))
+        plain, values = received.get("handlers"), received.get("values")
+        if (not isinstance(plain, dict) or not set(plain) <= set(names)
+                or not isinstance(values, dict) or set(values) != set(self._names)):
+            raise ValueError("malformed state from the sync source: handlers "
+                             f"{sorted(plain) if isinstance(plain, dict) else plain!r}, values "
+                             f"{sorted(values) if isinstance(values, dict) else values!r}")
         tensors: list[torch.Tensor] = []
-        for name, description in described.items():
-            if description is None:
-                continue
-            if received is None:  # the source sends what it described
-                tensors += description.tensors
-            else:
-                tensors += self._handlers[name].adopt_sync(received["handlers"][name])
+        for name in names:
+            if name in plain:
+                tensors += self._handlers[name].adopt_sync(plain[name])
         broadcast_tensors(tensors)
-        if received is not None:
-            values = received["values"]
-            if set(values) != set(self._names):  # pragma: no cover - the layout names them
-                raise ValueError(f"state attributes differ: {sorted(values)} vs "
-                                 f"{sorted(self._names)}")
-            for name in self._names:
-                setattr(self, name, values[name])
-        for name, description in described.items():
-            if description is None:
+        for name in self._names:
+            setattr(self, name, values[name])
+        for name in names:
+            if name not in plain:
                 self._handlers[name].sync()
 
     def reset(self) -> None:
