@@ -338,16 +338,16 @@ def plan_buckets(
     Depends only on sizes, dtypes and devices (never on memory layout), so every rank plans
     the same buckets.
     """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
     for t in tensors:
-        if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
+        nbytes = t.nbytes  # numel * element size, one call (thousands of tensors per sync)
+        if nbytes:
+            groups.setdefault((t.dtype, t.device), []).append((t, nbytes))
     buckets: list[list[torch.Tensor]] = []
     for group in groups.values():
         current: list[torch.Tensor] = []
         size = 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
+        for t, nbytes in group:
             if nbytes >= direct:
                 buckets.append([t])
                 continue
@@ -365,7 +365,7 @@ def halves(bucket: list[torch.Tensor], split: int) -> list[list[torch.Tensor]]:
     """``bucket`` cut in two at the tensor boundary nearest its middle byte when it holds
     ``split`` bytes or more and more than one tensor; else ``[bucket]``. Depends only on
     sizes, so every rank cuts alike."""
-    sizes = [t.numel() * t.element_size() for t in bucket]
+    sizes = [t.nbytes for t in bucket]
     total = sum(sizes)
     if len(bucket) < 2 or total < split:
         return [bucket]
