@@ -315,13 +315,15 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """The sync source's state on every rank, in as few collectives as the handlers
-        allow: one all-reduce that checks the layout and carries every plain part (the
-        handlers' descriptions and the plain values; a broadcast of the rest when they
+        allow: a two-word all-reduce that checks the layout (issued first, it travels while
+        the source describes and encodes), one broadcast with every plain part (the
+        handlers' descriptions and the plain values; a second one for the rest when they
         exceed 16 KiB), one pipeline of buckets with every describable handler's tensors;
         then each other handler's own ``sync()``.
 
-        Only the source encodes the plain part, and it keeps its own objects and sends the
-        tensors its handlers described; the others decode it, and their handlers adopt it.
+        Only the source describes its handlers and encodes the plain part, and it keeps its
+        own objects and sends the tensors its handlers described; the others decode it,
+        their handlers adopt it, and the handlers it leaves out sync themselves.
         (With thousands of optimizer entries, encoding on every rank and decoding on the
         source cost more than the bytes: each was on the critical path.) A value the source
         cannot send fails the sync on every rank, the source with the error naming it."""
