@@ -31,8 +31,17 @@ def _encode(value: Any) -> Any:
     and non-string dict keys survive; JSON objects only ever appear as tags. Raises
     ``_Unsendable`` on a type it cannot send. (No path is built on the way down: a sync
     encodes every optimizer entry, and naming each one cost more than encoding it.)"""
-    if value is None:
-        return None
+    kind = type(value)
+    # Exact builtins first, by identity: a sync encodes thousands of optimizer entries, and
+    # the isinstance chain below (numpy's types, subclasses such as enums) cost most of it.
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    if kind is list:
+        return [_encode(v) for v in value]
+    if kind is dict:
+        return {_TAG_DICT: [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if kind is tuple:
+        return {_TAG_TUPLE: [_encode(v) for v in value]}
     if isinstance(value, str):
         return str.__str__(value)  # the characters, also for str enums
     if isinstance(value, (bool, np.bool_)):
@@ -43,12 +52,6 @@ def _encode(value: Any) -> Any:
         return float(value)
     if isinstance(value, bytes):
         return {_TAG_BYTES: base64.b64encode(value).decode("ascii")}
-    if type(value) is list:
-        return [_encode(v) for v in value]
-    if type(value) is tuple:
-        return {_TAG_TUPLE: [_encode(v) for v in value]}
-    if type(value) is dict:
-        return {_TAG_DICT: [[_encode(k), _encode(v)] for k, v in value.items()]}
     raise _Unsendable
 
 
@@ -84,11 +87,12 @@ def _refusal(value: Any, path: str) -> TypeError:
 
 def _decode(obj: Any) -> Any:
     """Inverse of ``_encode``; raises ValueError on anything ``_encode`` cannot produce."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    kind = type(obj)  # json builds only exact builtins: no subclass to look for
+    if kind is str or kind is int or kind is float or kind is bool or obj is None:
         return obj
-    if isinstance(obj, list):
+    if kind is list:
         return [_decode(v) for v in obj]
-    if isinstance(obj, dict) and len(obj) == 1:
+    if kind is dict and len(obj) == 1:
         ((tag, payload),) = obj.items()
         if tag == _TAG_TUPLE and isinstance(payload, list):
             return tuple(_decode(v) for v in payload)

@@ -318,6 +318,26 @@ def test_codec_turns_numpy_scalars_into_builtins() -> None:
     assert [type(v) for v in decoded.values()] == [float, int, bool]
 
 
+def test_codec_sends_subclasses_of_plain_types_as_the_builtin() -> None:
+    # The exact builtins take a fast path; a subclass of str or int (an enum) goes the long
+    # way and arrives as its builtin base. A tuple subclass stays refused: its fields would
+    # come back nameless.
+    import collections
+    import enum
+
+    class Mode(str, enum.Enum):
+        FAST = "fast"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    decoded = decode_values(encode_values({"mode": Mode.FAST, "level": [Level.HIGH]}))
+    assert decoded == {"mode": "fast", "level": [3]}
+    assert type(decoded["mode"]) is str and type(decoded["level"][0]) is int
+    with pytest.raises(TypeError, match="state.pair is a"):
+        encode_values({"pair": collections.namedtuple("Pair", "a b")(1, 2)})
+
+
 @pytest.mark.parametrize(
     ("value", "where"),
     [
