@@ -295,11 +295,11 @@ def broadcast_validated(payload: bytes | None, layout: LayoutCheck, what: str,
     Only the source's ``payload`` is read: the other ranks may pass ``b""``. Raises
     ValueError on EVERY rank unless all ranks have the same layout (:class:`LayoutCheck`):
     a mismatched structure would otherwise make the bucketed broadcasts disagree on sizes
-    and hang or corrupt memory. Then one broadcast of
-    a header (the payload's length and its first ``inline`` bytes; every rank must pass the
-    same ``inline``), and one of the rest when the payload is longer. A source that passes
-    None (it could not encode its payload) makes every rank raise :class:`SourceCannotSend`
-    after the header, instead of leaving them waiting.
+    and hang or corrupt memory. Then one broadcast of a header (the payload's length and
+    its first ``inline`` bytes; every rank must pass the same ``inline``), and one of the
+    rest when the payload is longer. A source that passes None (it could not encode its
+    payload) makes every rank raise :class:`SourceCannotSend` after the header, instead of
+    leaving them waiting.
     """
     layout.wait()
     is_src = is_sync_source()
