@@ -2,11 +2,10 @@
 
 (a) Two processes (gloo; ``--pair-world N`` for more), for models of about 0.4M, 50M and
     200M parameters with Adam after one step: ``TorchState.sync()`` from rank 0 into ranks
-    holding other values, the whole
-    reset-time path ``agree_and_sync`` (claims all-gather, sync, the receiver's restore point
-    refreshed; rank 0's restore point already holds the agreed version, as after an
-    interrupt at a commit), and a raw ``dist.broadcast`` of one tensor with as many bytes as
-    the state's tensors.
+    holding other values, the whole reset-time path ``agree_and_sync`` (claims all-gather,
+    sync, the receivers' restore points refreshed; rank 0's restore point already holds the
+    agreed version, as after an interrupt at a commit), and a raw ``dist.broadcast`` of one
+    tensor with as many bytes as the state's tensors.
 (b) A join into survivors: four processes, ranks 0-2 hold the same state (the survivors),
     rank 3 other values (the joiner). ``sync()`` striped over the three survivors (each sends
     a third of the bytes to the joiner), ``sync()`` as one broadcast from rank 0, and a raw
