@@ -27,6 +27,7 @@ from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import ObjectState, State, TorchState
 from peer_elastic.torch.collectives import (
     SourceCannotSend,
+    broadcast_bytes,
     broadcast_plain,
     broadcast_tensors,
     broadcast_validated,
@@ -526,6 +527,8 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
     # rank 0, ending at every place the inline part can end. Each rank offers its own bytes:
     # only the source's may arrive.
     with syncing_from(1):
+        # Plain bytes ride in the same header: inside it, empty, and past its 16 KiB.
+        out["bytes"] = [broadcast_bytes(_payload(rank, n)).hex() for n in (0, 9, 20_000)]
         out["validated"] = [
             broadcast_validated(_payload(rank, n), start_layout_check("same layout", "test"),
                                 "test", inline=8).hex()
@@ -568,8 +571,9 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
     assert len(ref["synced"]["opt"]["state"]) == 6 and len(ref["synced"]["aux_opt"]["state"]) == 2
     assert ref["synced"]["opt"]["param_groups"][0]["lr"] == 5e-3
     assert ref["validated"] == [_payload(1, n).hex() for n in _PAYLOAD_LENGTHS]
+    assert ref["bytes"] == [_payload(1, n).hex() for n in (0, 9, 20_000)]
     for rank, res in enumerate(results[1:], start=1):
-        assert res["validated"] == ref["validated"]
+        assert res["validated"] == ref["validated"] and res["bytes"] == ref["bytes"]
         for key in ("synced", "trained", "buckets"):
             _assert_same(res[key], ref[key], f"rank{rank}.{key}")
         assert res["layout_error"] and res["type_error"] and res["group_ok"]

@@ -170,18 +170,13 @@ def world_size() -> int:
 
 
 def broadcast_bytes(payload: bytes) -> bytes:
-    """The sync source's ``payload`` on every rank: length, then the bytes (two broadcasts)."""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_inplace(length)
-    n = int(length.item())
-    if n == 0:
-        return b""
-    if is_sync_source():
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        buf = torch.empty(n, dtype=torch.uint8)
-    broadcast_inplace(buf)
-    return buf.numpy().tobytes()
+    """The sync source's ``payload`` on every rank (only the source's is read): one
+    broadcast when it fits in ``DEFAULT_INLINE_BYTES``, two when longer
+    (:func:`_broadcast_payload`)."""
+    got = _broadcast_payload(payload, DEFAULT_INLINE_BYTES)
+    if got is None:  # pragma: no cover - only a source that passes None gets it
+        raise SourceCannotSend("the sync source sent no payload")
+    return got
 
 
 def broadcast_plain(value: Any, what: str = "value") -> Any:
@@ -202,10 +197,11 @@ _LENGTH_BYTES = 8
 _REFUSED = 2 ** (8 * _LENGTH_BYTES) - 1
 
 DEFAULT_INLINE_BYTES = 16 * 2**10
-"""Payload bytes :func:`broadcast_validated` carries in its header broadcast. An optimizer's
-description takes about 100-200 bytes per parameter tensor, so a model of up to about a
-hundred tensors needs no second broadcast; a broadcast of this size costs what one of 64
-bytes does (gloo, loopback: 0.23 ms at world 2, 0.7 ms at world 4)."""
+"""Payload bytes :func:`broadcast_validated` and :func:`broadcast_bytes` carry in their
+header broadcast. An optimizer's description takes about 100-200 bytes per parameter
+tensor, so a model of up to about a hundred tensors needs no second broadcast; a broadcast
+of this size costs what one of 64 bytes does (gloo, loopback: 0.23 ms at world 2, 0.7 ms
+at world 4)."""
 
 
 class SourceCannotSend(TypeError):
@@ -302,13 +298,23 @@ def broadcast_validated(payload: bytes | None, layout: LayoutCheck, what: str,
     leaving them waiting.
     """
     layout.wait()
+    got = _broadcast_payload(payload, inline)
+    if got is None:
+        raise SourceCannotSend(f"{what}: the sync source (rank {sync_source()}) holds a value "
+                               "that sync() cannot send; its own error names it")
+    return got
+
+
+def _broadcast_payload(payload: bytes | None, inline: int) -> bytes | None:
+    """The sync source's ``payload`` on every rank, or None on every rank when the source
+    passed None: one broadcast of a header (:func:`_header`; every rank must pass the same
+    ``inline``), and one of the rest when the payload is longer than ``inline``."""
     is_src = is_sync_source()
     header = _header(payload, is_src, inline)
     broadcast_inplace(torch.frombuffer(header, dtype=torch.uint8))
     n = int.from_bytes(header[:_LENGTH_BYTES], "big")
     if n == _REFUSED:
-        raise SourceCannotSend(f"{what}: the sync source (rank {sync_source()}) holds a value "
-                               "that sync() cannot send; its own error names it")
+        return None
     head = bytes(header[_LENGTH_BYTES:_LENGTH_BYTES + min(n, inline)])
     if n <= inline:
         return head
