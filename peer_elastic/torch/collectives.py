@@ -156,9 +156,14 @@ def all_reduce_max_inplace(tensor: torch.Tensor) -> None:
     _inplace(tensor, lambda wire: dist.all_reduce(wire, op=dist.ReduceOp.MAX))
 
 
-def _inplace(tensor: torch.Tensor, collective: Callable[[torch.Tensor], Any]) -> None:
+def _on_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or its copy on the staging device (nccl)."""
     stage = staging_device()
-    wire = tensor.to(stage) if stage is not None else tensor
+    return tensor.to(stage) if stage is not None else tensor
+
+
+def _inplace(tensor: torch.Tensor, collective: Callable[[torch.Tensor], Any]) -> None:
+    wire = _on_wire(tensor)
     collective(wire)
     if wire is not tensor:
         tensor.copy_(wire.cpu())
@@ -236,8 +241,7 @@ class LayoutCheck:
         self._description = description
         self._what = what
         self._words = _layout_words(description)
-        stage = staging_device()
-        self._wire = self._words.to(stage) if stage is not None else self._words
+        self._wire = _on_wire(self._words)
         self._work = start_all_reduce(self._wire, dist.ReduceOp.MAX)
         self._done = False
 
