@@ -48,7 +48,7 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
     assert len(plan.events) >= N_EVENTS
     live, mx, mn, paused = plan.peers, plan.max_np, plan.min_np, False
     for e in plan.events:
-        if e.kind in ("kill", "term", "drain", "hang", "stop"):
+        if e.kind in ("kill", "term", "drain", "hang", "stop") or e.kill_during:
             assert not paused and min(live - 1, mx) >= mn, (seed, e)
             live -= e.kind != "stop"
         elif e.kind == "add":
@@ -63,6 +63,10 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
         assert 1 <= mn <= mx and min(live, mx) >= mn, (seed, e, live, mx, mn)
         if e.kind == "stop":
             assert e.hold_s > 3.0 + 1.0  # past the join timeout and the lease TTL
+        if e.kill_during:
+            assert e.kind == "etcd_all", (seed, e)
+        if e.kind == "etcd_all":
+            assert 0.5 <= e.hold_s <= 4 * 3.0, (seed, e)  # up to four lease TTLs
         if e.kind == "stop_short":
             assert e.hold_s < 1.5  # under the join timeout
         if e.kind == "stop_mid":
@@ -83,6 +87,9 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         kinds.update(f"kill:{e.target}" for e in plan.events if e.kind == "kill")
         kinds.update("burst" for e in plan.events if e.burst)
         kinds.update("peers_only" for e in plan.events if e.peers_only)
+        kinds.update("kill_during" for e in plan.events if e.kill_during)
+        kinds.update("long_outage" for e in plan.events
+                     if e.kind == "etcd_all" and e.hold_s > 2 * 3.0)
         kinds.update([f"shape={(plan.peers, plan.min_np, plan.max_np)}"])
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
@@ -90,7 +97,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
                          f"ddp_hook={plan.pattern.ddp_hook}", f"forks={plan.pattern.forks}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only",
-            "restart", "stop_mid"}
+            "restart", "stop_mid", "kill_during", "long_outage"}
     want |= {f"shape={shape}" for shape in SHAPES}
     if hang_detection() is not None:
         want.add("hang")

@@ -49,7 +49,11 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
                     lives (``WORKER_HANG_FILE``). Only generated when the library has hang
                     detection (:func:`hang_detection`); the others must train again within
                     ``hang_timeout_s`` + 10 s.
-* ``etcd_member``/``etcd_all``  kill (or stop) and restart one / all etcd members.
+* ``etcd_member``/``etcd_all``  kill (or stop) and restart one / all etcd members. A share of
+                    the whole-etcd outages (``LONG_OUTAGE_SHARE``, drawn apart) last two to
+                    four lease TTLs (maintenance, a lost etcd host), and in a share of them
+                    (``kill_during``, drawn apart too) a running peer is SIGKILLed halfway
+                    through: a machine lost while nobody can write a new generation.
 * ``restart``       (plans with durable snapshots only) SIGKILL every running peer at once and
                     start as many again: they resume from the newest snapshot.
 
@@ -158,6 +162,8 @@ class SEvent(Event):
     #                   with every peer on it, where enough peers run elsewhere (a partition)
     peers_only: bool = False  # stop on several hosts, where it cuts a host: from the other
     #                   hosts only, not from etcd (the peers there keep their leases)
+    kill_during: bool = False  # etcd_all: a running peer is SIGKILLed halfway through the
+    #                   outage (the others can form no generation without it until etcd is back)
 
     def _describe(self) -> str:
         if self.kind in ("set_max", "set_min"):
@@ -171,6 +177,8 @@ class SEvent(Event):
             return super()._describe() + host
         if self.kind == "train":
             return f"#{self.index} train {self.value} STEP positions"
+        if self.kill_during:
+            return super()._describe() + ", a peer SIGKILLed halfway"
         if self.kind in ("kill", "term") and self.target:
             return f"#{self.index} {self.kind} {self.target}"
         return super()._describe()
@@ -207,6 +215,12 @@ PEER_CUT_HOLD_S = (4.5, 16.0)
 #: long (stop_mid).
 MID_STOP_SHARE = 0.35
 MID_STOP_HOLD_S = (1.1 * JOIN_TIMEOUT_S, 0.9 * LEASE_TTL_S)
+#: The share of whole-etcd outages that last several lease TTLs, and how long: beyond every
+#: lease's TTL, which etcd renews when it is back, while the peers train on.
+LONG_OUTAGE_SHARE = 0.3
+LONG_OUTAGE_HOLD_S = (2.0 * LEASE_TTL_S, 4.0 * LEASE_TTL_S)
+#: The share of whole-etcd outages during which a running peer is SIGKILLed (kill_during).
+OUTAGE_KILL_SHARE = 0.3
 
 
 #: Job shapes, ``(peers, min_np, max_np)``: ``peers`` is the most running at once (the rest
@@ -268,6 +282,9 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     mids = random.Random(f"{seed}/stopmid")
     # Where a whole-job restart follows an event (snapshot plans only): drawn apart too.
     restarts = random.Random(f"{seed}/restart")
+    # Which whole-etcd outages last several TTLs, and which lose a peer: drawn apart too.
+    long_outages = random.Random(f"{seed}/long-outage")
+    outage_kills = random.Random(f"{seed}/outage-kill")
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
         where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
         pattern = replace(pattern, ddp_subgroup=where)
@@ -292,6 +309,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
             hold, hard = rng.uniform(0.5, 3.0), rng.random() < 0.5
         elif kind == "etcd_all":
             hold, hard = rng.uniform(0.5, LEASE_TTL_S + 1.0), rng.random() < 0.5
+            if long_outages.random() < LONG_OUTAGE_SHARE:
+                hold = long_outages.uniform(*LONG_OUTAGE_HOLD_S)
         gap = round(rng.uniform(0.0, 1.0), 2)
         burst = kind == "kill" and bursts.random() < BURST_SHARE
         if burst:
@@ -339,6 +358,11 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         elif kind == "set_min":
             mn = min_np if mn != min_np else rng.randint(mn + 1, min(live - 1, mx))
             emit("set_min", value=mn)
+        elif kind == "etcd_all":
+            kill = can_lose_one() and outage_kills.random() < OUTAGE_KILL_SHARE
+            emit("etcd_all", kill_during=kill)
+            if kill:
+                live -= 1
         elif kind == "pause":
             paused = True
             emit("pause")
@@ -531,6 +555,31 @@ class ScheduleRunner(ChaosRunner):
 
     def _do_stop_mid(self, ev: Event, a: Applied) -> None:
         self._do_stop_short(ev, a)  # only the hold differs (make_plan draws it)
+
+    def _do_etcd_all(self, ev: Event, a: Applied) -> None:
+        assert isinstance(ev, SEvent)
+        if not ev.kill_during:
+            super()._do_etcd_all(ev, a)
+            return
+        # The survivors see the collective fail at once but can write no generation: they
+        # re-form without the dead peer only once etcd is back (its lease renewed there
+        # meanwhile: their evidence and join_timeout, not its TTL, must drop it).
+        etcd = list(range(self.etcd.size))
+        self.etcd_down(etcd, ev.hard)
+        down_at = time.monotonic()
+        self.sleep(ev.hold_s / 2)
+        p, in_roster = self._pick(ev, a)
+        g0 = self.max_gen
+        p.state = "killed"
+        p.proc.signal(signal.SIGKILL)
+        p.proc.proc.wait(timeout=30)
+        killed_after = time.monotonic() - down_at
+        self.sleep(max(0.0, ev.hold_s - killed_after))
+        self.etcd_up(etcd)
+        a.detail = (f"etcd m0-m{len(etcd) - 1} {'SIGKILL' if ev.hard else 'SIGTERM'}, down "
+                    f"{time.monotonic() - down_at:.1f}s, {a.target} SIGKILLed after "
+                    f"{killed_after:.1f}s of it")
+        self._settle_after_departure(ev, a, g0, in_roster)
 
     def _do_hang(self, ev: Event, a: Applied) -> None:
         self.wait_for("a roster peer to hang", lambda: any(
