@@ -5,7 +5,11 @@
     holding other values, the whole reset-time path ``agree_and_sync`` (claims all-gather,
     sync, the receivers' restore points refreshed; rank 0's restore point already holds the
     agreed version, as after an interrupt at a commit), and a raw ``dist.broadcast`` of one
-    tensor with as many bytes as the state's tensors.
+    tensor with as many bytes as the state's tensors. Beside them, the parts no protocol
+    around the bytes removes: the state's tensors alone through ``broadcast_tensors`` (the
+    sync's bucket pipeline, without check, header or description), its two copies
+    alone, packing the buckets and unpacking them (each rank times both), and what sending
+    without copies costs instead: one broadcast per tensor, straight into it, all in flight.
 (b) A join into survivors: four processes, ranks 0-2 hold the same state (the survivors),
     rank 3 other values (the joiner). ``sync()`` striped over the three survivors (each sends
     a third of the bytes to the joiner), ``sync()`` as one broadcast from rank 0, and a raw
@@ -43,10 +47,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.state import TorchState
-from peer_elastic.torch.collectives import agree_and_sync, syncing_from
+from peer_elastic.torch.collectives import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_DIRECT_BYTES,
+    DEFAULT_SPLIT_BYTES,
+    agree_and_sync,
+    broadcast_tensors,
+    halves,
+    plan_buckets,
+    syncing_from,
+)
+from peer_elastic.torch.snapshots import copy_all
 
 WORKER_TIMEOUT_S = 1800
 # millions of parameters -> layer width (default 2048). 5M at width 128 is a deep model:
@@ -113,17 +128,32 @@ def bench_pair(rank: int, millions: float, reps: int) -> dict[str, Any]:
     # after a crash), so only rank 1 copies the synced state into its restore point.
     claim = Claim(StateVersion(1, 1, 1), needs_state=rank != 0)
     committed = claim.version if rank == 0 else StateVersion()
+    # The parts of a sync that no design around the bytes removes: its buckets' transfer
+    # (packing and copies included), and the two copies alone, the source's into the
+    # buckets and a receiver's out of them (each rank times both, as if it were either).
+    packed = [half for bucket in plan_buckets(tensors, DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES)
+              for half in halves(bucket, DEFAULT_SPLIT_BYTES) if len(half) > 1]
+    received = [(_flatten_dense_tensors(b), [t.clone() for t in b]) for b in packed]
     times = interleaved({
         "raw_broadcast": lambda: dist.broadcast(raw, src=0),
         "sync": state.sync,
         "agree_and_sync": lambda: agree_and_sync(state, claim, torch.device("cpu"),
                                                  committed=committed),
+        "tensors_only": lambda: broadcast_tensors(tensors, src=0),
+        # No copies at all: one broadcast per tensor, straight into it, all in flight.
+        "each_in_place": lambda: [work.wait() for work in
+                                  [dist.broadcast(t, src=0, async_op=True) for t in tensors]],
+        "pack": lambda: [_flatten_dense_tensors(b) for b in packed],
+        "unpack": lambda: [copy_all(into, list(_unflatten_dense_tensors(wire, into)))
+                           for wire, into in received],  # into copies: the state stays
     }, reps)
     out = {"millions": millions, "world": dist.get_world_size(),
            "params": sum(p.numel() for p in model.parameters()),
            "tensors": len(tensors), "bytes": nbytes, "digest": digest(state_tensors(model, opt)), **times,
            "sync_share": share(times["raw_broadcast"], times["sync"]),
-           "agree_and_sync_share": share(times["raw_broadcast"], times["agree_and_sync"])}
+           "agree_and_sync_share": share(times["raw_broadcast"], times["agree_and_sync"]),
+           "tensors_only_share": share(times["raw_broadcast"], times["tensors_only"]),
+           "packed_bytes": sum(t.nbytes for b in packed for t in b)}
     return out
 
 
@@ -217,6 +247,10 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"  sync()          {_ms(r['sync'])}  = {_pct(r['sync_share'])} of raw")
         print(f"  agree_and_sync  {_ms(r['agree_and_sync'])}  "
               f"= {_pct(r['agree_and_sync_share'])} of raw")
+        print(f"  its tensors alone ({r['packed_bytes'] / 2**20:.1f} MiB packed): "
+              f"{_ms(r['tensors_only'])}  = {_pct(r['tensors_only_share'])} of raw; "
+              f"packing {_ms(r['pack'])}, unpacking {_ms(r['unpack'])}")
+        print(f"  each tensor in place, its own broadcast: {_ms(r['each_in_place'])}")
     for r in res["join"]:
         print(f"join: {r['millions']:g}M params, {r['bytes'] / 2**20:.1f} MiB, world "
               f"{r['world']}, {r['sources']} survivors -> {r['world'] - r['sources']} joiner(s):")
