@@ -28,6 +28,8 @@ import pytest
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Hosts, hosts_or_skip
 from tests.helpers.schedules import (
+    LEASE_TTL_S,
+    LONG_OUTAGE_HOLD_S,
     SHAPES,
     events_from_env,
     fresh_seeds,
@@ -65,8 +67,9 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
             assert e.hold_s > 3.0 + 1.0  # past the join timeout and the lease TTL
         if e.kill_during:
             assert e.kind == "etcd_all", (seed, e)
-        if e.kind == "etcd_all":
-            assert 0.5 <= e.hold_s <= 4 * 3.0, (seed, e)  # up to four lease TTLs
+        if e.kind == "etcd_all":  # up to a TTL and a second, or a long outage
+            assert 0.5 <= e.hold_s <= LEASE_TTL_S + 1.0 or (
+                LONG_OUTAGE_HOLD_S[0] <= e.hold_s <= LONG_OUTAGE_HOLD_S[1]), (seed, e)
         if e.kind == "stop_short":
             assert e.hold_s < 1.5  # under the join timeout
         if e.kind == "stop_mid":
@@ -89,7 +92,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         kinds.update("peers_only" for e in plan.events if e.peers_only)
         kinds.update("kill_during" for e in plan.events if e.kill_during)
         kinds.update("long_outage" for e in plan.events
-                     if e.kind == "etcd_all" and e.hold_s > 2 * 3.0)
+                     if e.kind == "etcd_all" and e.hold_s >= LONG_OUTAGE_HOLD_S[0])
         kinds.update([f"shape={(plan.peers, plan.min_np, plan.max_np)}"])
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
