@@ -646,12 +646,16 @@ class ChaosRunner:
         else:
             self.wait_progress(f"{ev.describe()} of {a.target}")
 
-    def _do_kill(self, ev: Event, a: Applied) -> None:
-        p, in_roster = self._pick(ev, a)
-        g0 = self.max_gen
+    def _sigkill(self, p: Tracked) -> None:
+        """SIGKILL ``p`` and reap it (its exit status is then expected)."""
         p.state = "killed"
         p.proc.signal(signal.SIGKILL)
         p.proc.proc.wait(timeout=30)
+
+    def _do_kill(self, ev: Event, a: Applied) -> None:
+        p, in_roster = self._pick(ev, a)
+        g0 = self.max_gen
+        self._sigkill(p)
         if ev.burst:
             a.detail = "the next event follows mid-reset"
             return
@@ -785,16 +789,24 @@ class ChaosRunner:
         a.target, a.role = "etcd m0-m2", "etcd"
         self._etcd_outage(ev, a, list(range(self.etcd.size)))
 
-    def _etcd_outage(self, ev: Event, a: Applied, idxs: list[int]) -> None:
+    def _etcd_outage(self, ev: Event, a: Applied, idxs: list[int],
+                     midway: Callable[[], int | None] | None = None) -> None:
+        """Stop etcd members ``idxs`` for ``ev.hold_s``, restart them, and wait until the job
+        trains again. ``midway``, if given, runs halfway through the outage and returns the
+        generation the job must then train above (None: any)."""
         before = len(self.steps)
         self.etcd_down(idxs, ev.hard)
         down_at = time.monotonic()
-        self.sleep(ev.hold_s)
+        above_gen = None
+        if midway is not None:
+            self.sleep(ev.hold_s / 2)
+            above_gen = midway()
+        self.sleep(max(0.0, ev.hold_s - (time.monotonic() - down_at)))
         during = len(self.steps) - before
         self.etcd_up(idxs)
         a.detail += (f"{', ' if a.detail else ''}{'SIGKILL' if ev.hard else 'SIGTERM'}, down "
                      f"{time.monotonic() - down_at:.1f}s, {during} STEP positions meanwhile")
-        self.wait_progress(ev.describe())
+        self.wait_progress(ev.describe(), above_gen=above_gen)
 
     def finish(self, timeout: float = 300.0) -> dict[str, Any]:
         """Wait for the job to end and every peer to exit; return rank 0's RESULT."""

@@ -561,25 +561,18 @@ class ScheduleRunner(ChaosRunner):
         if not ev.kill_during:
             super()._do_etcd_all(ev, a)
             return
+
         # The survivors see the collective fail at once but can write no generation: they
         # re-form without the dead peer only once etcd is back (its lease renewed there
         # meanwhile: their evidence and join_timeout, not its TTL, must drop it).
-        etcd = list(range(self.etcd.size))
-        self.etcd_down(etcd, ev.hard)
-        down_at = time.monotonic()
-        self.sleep(ev.hold_s / 2)
-        p, in_roster = self._pick(ev, a)
-        g0 = self.max_gen
-        p.state = "killed"
-        p.proc.signal(signal.SIGKILL)
-        p.proc.proc.wait(timeout=30)
-        killed_after = time.monotonic() - down_at
-        self.sleep(max(0.0, ev.hold_s - killed_after))
-        self.etcd_up(etcd)
-        a.detail = (f"etcd m0-m{len(etcd) - 1} {'SIGKILL' if ev.hard else 'SIGTERM'}, down "
-                    f"{time.monotonic() - down_at:.1f}s, {a.target} SIGKILLed after "
-                    f"{killed_after:.1f}s of it")
-        self._settle_after_departure(ev, a, g0, in_roster)
+        def kill_one() -> int | None:
+            p, in_roster = self._pick(ev, a)
+            g0 = self.max_gen
+            self._sigkill(p)
+            a.detail = f"{a.target} SIGKILLed halfway through the etcd outage"
+            return g0 if in_roster else None  # as after any kill (_settle_after_departure)
+
+        self._etcd_outage(ev, a, list(range(self.etcd.size)), midway=kill_one)
 
     def _do_hang(self, ev: Event, a: Applied) -> None:
         self.wait_for("a roster peer to hang", lambda: any(
