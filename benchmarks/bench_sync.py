@@ -126,7 +126,7 @@ def bench_pair(rank: int, millions: float, reps: int) -> dict[str, Any]:
     raw = torch.zeros(nbytes, dtype=torch.uint8)
     # Rank 0's restore point holds the agreed version (an interrupt at a commit, a restore
     # after a crash), so only rank 1 copies the synced state into its restore point.
-    claim = Claim(StateVersion(1, 1, 1), needs_state=rank != 0)
+    claim = Claim(StateVersion(1, 1, 1, 1), needs_state=rank != 0)
     committed = claim.version if rank == 0 else StateVersion()
     # The parts of a sync that no design around the bytes removes: its buckets' transfer
     # (packing and copies included), and the two copies alone, the source's into the

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -245,7 +245,7 @@ class Peer:
             if group.assignment.rank == 0:
                 self._marker.committed(self._committed.commits, group.generation)
                 if self.snapshots is not None:
-                    self.snapshots.after_commit(state, self._snapshot_info())
+                    self.snapshots.after_commit(state, self._snapshot_info(self._committed))
         if reset:
             newest = snap.generation
             removals_only = newest is not None and not newest.joined
@@ -409,33 +409,38 @@ class Peer:
         need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
         resume_from_snapshot = None
+        newest_snapshot = None
         if self.snapshots is not None:
             resume_from_snapshot = self.snapshots.resumer(state, self.generation, self.device)
-        no_holder = False
+            newest_snapshot = self.snapshots.newest_version()
+        resumed = False
 
-        def resume() -> Agreement | None:
-            # agree_and_sync calls this on every rank exactly when no rank holds committed
-            # state: the first group of a run, or every holder lost (peer_elastic.lost_state).
-            nonlocal no_holder
-            no_holder = True
-            return resume_from_snapshot() if resume_from_snapshot is not None else None
+        def resume(claims: Sequence[Claim]) -> Agreement | None:
+            # agree_and_sync calls this on every rank exactly when no rank holds trained
+            # state (the first group of a run, or every holder lost), or when a snapshot is
+            # newer than every version held (peer_elastic.lost_state says what was lost).
+            nonlocal resumed
+            resumed = True
+            return resume_from_snapshot(claims) if resume_from_snapshot is not None else None
 
-        agreement = agree_and_sync(state, Claim(self._live, need), self.device, resume,
+        claim = Claim(self._live, need, newest_snapshot, time.time_ns())
+        agreement = agree_and_sync(state, claim, self.device, resume,
                                    committed=self._committed)
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
-        if no_holder:
-            self._report_lost_state(agreement.version)
+        self._report_lost_state(agreement.version, held=not resumed)
         self._live = self._committed = agreement.version
         self._synced_once = True
         self._restored = False
 
-    def _report_lost_state(self, agreed: StateVersion) -> None:
-        """A group formed in which no rank held committed state: if the run's state had
-        commits, say loudly that it was lost and where training goes on from."""
-        lost = lost_state(self.coordinator.snapshot().state, agreed)
+    def _report_lost_state(self, agreed: StateVersion, held: bool) -> None:
+        """A group formed that goes on from a resumed snapshot, from the initial state, or
+        (``held``) from an in-memory version older than the run's state had: if the run's
+        state had more commits, say loudly that they were lost and where training goes on
+        from. Never a silent rollback."""
+        lost = lost_state(self.coordinator.snapshot().state, agreed, held=held)
         if lost is None:
-            return  # the first group of a run
+            return  # the first group of a run, or nothing lost
         what = lost.describe()
         log.error("%s", what)
         self.stats.count("states_lost")
@@ -449,14 +454,15 @@ class Peer:
         writes one too: it cannot know whether anyone goes on, and it costs one write."""
         if self.snapshots is None or self._group is None or self._group.assignment.rank != 0:
             return
-        if self.snapshots.final(state, self._snapshot_info()):
+        if self.snapshots.final(state, self._snapshot_info(self._live)):
             log.warning("final snapshot written before leaving")
         else:
             log.warning("final snapshot not written (see above)")
 
-    def _snapshot_info(self) -> SnapshotInfo:
+    def _snapshot_info(self, version: StateVersion) -> SnapshotInfo:
         run = getattr(self.coordinator, "run", None)
-        return SnapshotInfo(run.run_id if run is not None else "", self.generation, self.size)
+        return SnapshotInfo(run.run_id if run is not None else "", self.generation, self.size,
+                            version)
 
     def _publish_timing(self) -> None:
         """At the first step after a reset: rank 0 logs where the recovery time went."""

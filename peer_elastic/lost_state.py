@@ -41,12 +41,22 @@ class LostState:
     generation: int  # the generation that made the last of them
     holder: str  # the member id of the rank 0 that said so
     resumed_commits: int  # commits of the durable snapshot resumed from; 0: none
+    # The group went on from a version held in memory, older than the run's state (a peer
+    # parked while the others trained on, then every one of those lost).
+    held_commits: int | None = None
 
     def describe(self) -> str:
+        if self.held_commits is not None:
+            return (f"the newest training state any peer of this group holds has "
+                    f"{self.held_commits} commits, but the run's state had at least "
+                    f"{self.commits} (recorded in generation {self.generation} by rank 0 "
+                    f"{self.holder}): every peer that held the newer state is gone, and no "
+                    f"durable snapshot newer than the held state could be loaded; training "
+                    f"goes on from the held state and the commits after it are redone")
         # The record is rewritten at most once a second: a lower bound, which a snapshot
         # written since may pass.
-        lost = (f"no peer of this group holds the run's training state: every peer that held "
-                f"it is gone (it had at least {self.commits} commits, as recorded in "
+        lost = (f"no peer of this group holds the run's newest training state: every peer "
+                f"that held it is gone (it had at least {self.commits} commits, as recorded in "
                 f"generation {self.generation} by rank 0 {self.holder})")
         if self.resumed_commits:
             return (f"{lost}; resumed from the newest durable snapshot, at "
@@ -55,14 +65,28 @@ class LostState:
                 f"(set snapshot_dir to resume from durable snapshots instead)")
 
 
-def lost_state(mark: StateRecord | None, agreed: StateVersion) -> LostState | None:
-    """Asked when a group forms with no rank holding committed state: what was lost, if the
-    run's ``mark`` says its state had commits (None: the first group of a run). ``agreed``
-    is the version the group went on with (a resumed snapshot's, or the initial one)."""
+def lost_state(mark: StateRecord | None, agreed: StateVersion,
+               held: bool = False) -> LostState | None:
+    """Asked when a group has agreed on its state: what was lost, if anything.
+
+    ``agreed`` is the version the group went on with. Not ``held`` (the group resumed a
+    snapshot or starts from the initial state, because no rank held trained state or a
+    snapshot was newer): lost if the run's ``mark`` says its state had commits (None: the
+    first group of a run). ``held`` (a version some rank held in memory): lost only if the
+    mark was made by a later generation than the one that produced ``agreed`` and counts
+    more commits, i.e. others trained past the held state and are gone. The mark lags
+    commits by up to a second, so a holder is never wrongly called behind it.
+    """
     if mark is None:  # a record read back always has commits (records.py refuses 0)
         return None
-    return LostState(commits=mark.commits, generation=mark.generation, holder=mark.written_by,
-                     resumed_commits=agreed.commits)
+    if not held:
+        return LostState(commits=mark.commits, generation=mark.generation,
+                         holder=mark.written_by, resumed_commits=agreed.commits)
+    if mark.commits > agreed.commits and mark.generation > agreed.generation:
+        return LostState(commits=mark.commits, generation=mark.generation,
+                         holder=mark.written_by, resumed_commits=0,
+                         held_commits=agreed.commits)
+    return None
 
 
 class StateMarker:

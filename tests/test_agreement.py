@@ -21,13 +21,17 @@ from peer_elastic.state import TorchState
 from peer_elastic.torch.collectives import agree_and_sync
 from tests.helpers.world import run_world as _run_world
 
-V = StateVersion
+
+def V(*parts: int) -> StateVersion:  # noqa: N802 - reads as the type it builds
+    """A version of lineage 1 from (commits, generation, step); V() is the initial one."""
+    return StateVersion(1, *parts) if parts else StateVersion()
 
 # --- the rule ------------------------------------------------------------------------------------
 
 
 def test_versions_order_by_commits_then_generation_then_step() -> None:
     assert V(2, 1, 1) > V(1, 9, 9) > V(1, 9, 8) > V(1, 8, 50) > V()
+    assert StateVersion(2, 0, 1, 1) > V(50, 9, 9)  # a later lineage wins whatever it counts
     assert V(3, 4, 5).stepped(4) == V(3, 4, 6)
     assert V(3, 4, 5).stepped(6) == V(3, 6, 1)  # the first check in a new generation
     assert V(3, 4, 5).committed() == V(4, 4, 5)
@@ -154,7 +158,7 @@ def test_a_returning_member_with_stale_state_is_synced(tmp_path: Path) -> None:
     _run_world(_stale_member_returns, 3, tmp_path)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert {g["src"] for g in got} == {0}
-    assert {tuple(g["version"]) for g in got} == {(1, 4, 30)}
+    assert {tuple(g["version"]) for g in got} == {(1, 1, 4, 30)}
     assert got[0]["w"] == got[1]["w"] == got[2]["w"]
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
-from peer_elastic.agreement import StateVersion
+from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.durable.layout import MANIFEST, CorruptSnapshot, SnapshotDir, SnapshotId
 from peer_elastic.durable.resume import load_snapshot, resume
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter, Written
@@ -152,7 +152,7 @@ def test_due_interval_busy_skip_and_retention(tmp_path: Path) -> None:
         assert writer.wait_idle(60)
         assert not writer.offer(state, INFO)  # just written: not due
     assert [s.commits for s in directory.names()] == [3, 4]  # the newest two kept
-    assert [tuple(r.removed) for r in listener.results][2] == (SnapshotId(1, listener.results[0].manifest.id.unix_ns),)
+    assert [tuple(r.removed) for r in listener.results][2] == (SnapshotId(0, 1, 0, 0, listener.results[0].manifest.id.unix_ns),)
     # A due commit while a write is in flight is skipped and counted, not queued.
     gate = threading.Event()
     real = directory.publish
@@ -207,13 +207,15 @@ def test_resume_in_a_group_skips_a_corrupt_newest(tmp_path: Path, one_rank_group
     newest = directory.names()[-1]
     (directory.snapshot_path(newest) / "plain.json").write_bytes(b"{" * 10)  # size differs
     fresh = make_state(9)
-    agreement = resume(fresh, directory, generation=4, device=torch.device("cpu"))
+    claims = [Claim(StateVersion(), True, None, 7)]
+    agreement = resume(fresh, directory, generation=4, device=torch.device("cpu"),
+                       claims=claims)
     assert agreement is not None and agreement.source == 0
-    assert agreement.version == StateVersion(1, 4, 0)
+    assert agreement.version == StateVersion(7, 1, 4, 0)  # a new lineage, from the proposal
     fresh.commit_count = agreement.version.commits
     assert same(fingerprint(fresh), want)
     assert resume(make_state(1), SnapshotDir(tmp_path, "other-job"), 4,
-                  torch.device("cpu")) is None  # jobs sharing a directory never mix
+                  torch.device("cpu"), claims) is None  # jobs sharing a directory never mix
 
 
 def test_a_failed_write_is_counted_and_training_goes_on(tmp_path: Path,
@@ -293,7 +295,7 @@ def test_snapshot_records_and_keys() -> None:
     from peer_elastic.etcd.keys import JobKeys, KeyKind, parse
     from peer_elastic.records import SnapshotRecord, decode, encode
 
-    name = SnapshotId(12, 1_700_000_000_000_000_000).name
+    name = SnapshotId(0, 12, 0, 0, 1_700_000_000_000_000_000).name
     rec = SnapshotRecord(name=name, path="/s/j/" + name, commits=12, epoch=1, step=12,
                          unix=1.7e9, checksum="ab" * 32, run_id="r1-x", bytes=10, host="h")
     assert decode(SnapshotRecord, encode(rec)) == rec
@@ -325,7 +327,7 @@ def test_snapshot_records_in_etcd_beside_a_running_job(etcd: str, unique_job: st
     c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
     try:
         c.wait_generation(0, timeout=10)
-        names = [SnapshotId(n, 1_700_000_000_000_000_000 + n).name for n in (2, 1)]
+        names = [SnapshotId(0, n, 0, 0, 1_700_000_000_000_000_000 + n).name for n in (2, 1)]
         for name in names:
             record_snapshot(client, unique_job, SnapshotRecord(
                 name=name, path="/x/" + name, unix=1.7e9, checksum="0" * 64, commits=1))

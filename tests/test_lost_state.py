@@ -23,7 +23,7 @@ def test_a_group_with_no_holder_in_a_run_whose_state_had_commits_lost_it() -> No
     assert (lost.commits, lost.generation, lost.holder, lost.resumed_commits) == (
         40, 3, "h-1-abc", 0)
     assert "40 commits" in lost.describe() and "snapshot_dir" in lost.describe()
-    resumed = lost_state(MARK, StateVersion(35, 4, 0))
+    resumed = lost_state(MARK, StateVersion(2, 35, 4, 0))
     assert resumed is not None and resumed.resumed_commits == 35
     assert "durable snapshot, at 35 commits" in resumed.describe()
 

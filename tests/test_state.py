@@ -590,7 +590,7 @@ def _striped_worker(rank: int, world: int, outdir: Path) -> None:
     out: dict[str, Any] = {}
     holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
     state = _build_state(0 if holder else 3)
-    newest = StateVersion(4, 2, 7)
+    newest = StateVersion(1, 4, 2, 7)
     claim = Claim(newest if holder else StateVersion(), needs_state=not holder)
     if holder:
         state.save()  # the survivors' last commit is the newest version: no save after sync

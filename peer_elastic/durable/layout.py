@@ -4,33 +4,48 @@ No torch here: this is the part the writer, the resume path and the CLI share.
 
 Layout, one directory per job so that jobs sharing a ``snapshot_dir`` never mix::
 
-    <snapshot_dir>/<job>/snap-<commits:012d>-<unix_ns:020d>/
+    <snapshot_dir>/<job>/snap-<lineage:020d>-<commits:012d>-<generation:010d>-<step:010d>-<unix_ns:020d>/
         .metadata, __0_0.distcp     torch.distributed.checkpoint files (the tensors)
         plain.json                  tagged JSON (peer_elastic.codec): values, structure
         manifest.json               written last: every file's size and sha256
     <snapshot_dir>/<job>/.tmp-snap-...   a snapshot being written
+    <snapshot_dir>/<job>/.reading-<name>@<host>-<pid>   a resume is reading <name> (kept from pruning)
+    <snapshot_dir>/<job>/corrupt-<name>/         a snapshot a resume found corrupt (set aside)
 
 A snapshot is written into a temporary directory, renamed into place, and only then given
 its manifest (itself written to a temporary name and renamed). So a directory without a
 manifest is torn (the writer died), and one whose files do not match their manifest is
-corrupt: both are skipped when resuming. Names sort by (commits, time), so the newest
-snapshot is the last name; the time part keeps two snapshots with the same commit count
-apart (a run that resumed from an older snapshot after the newest was found corrupt).
+corrupt: both are skipped when resuming.
+
+A name is the :class:`~peer_elastic.agreement.StateVersion` of the state it holds (lineage,
+commits, generation, step), then the time it was written. Ids order by version, so the
+newest snapshot is the newest state: the newest lineage (the job's latest start or resume)
+first, then the most commits in it, then the latest generation and step (a final snapshot
+taken after the last commit outranks that commit's). The time only keeps two writes of the
+same version apart. Names of the older form ``snap-<commits>-<unix_ns>`` (lineage 0) still
+load, and rank below every lineage.
+
+Retention (:meth:`SnapshotDir.prune`) keeps the ``keep`` newest complete snapshots in that
+order, and never deletes the snapshot just written or one a resume is reading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peer_elastic.agreement import StateVersion
 from peer_elastic.records import valid_name
 
 __all__ = [
@@ -51,8 +66,11 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 PLAIN = "plain.json"
 METADATA = ".metadata"  # DCP's own index of the tensor files
-_NAME = re.compile(r"^snap-(\d{12})-(\d{20})$")
+_NAME = re.compile(r"^snap-(\d{20})-(\d{12})-(\d{10})-(\d{10})-(\d{20})$")
+_LEGACY_NAME = re.compile(r"^snap-(\d{12})-(\d{20})$")
 _TMP_PREFIX = ".tmp-"
+_READING_PREFIX = ".reading-"
+CORRUPT_PREFIX = "corrupt-"
 _STALE_TMP_S = 3600.0  # a temporary directory this old belongs to a writer that died
 
 
@@ -62,19 +80,40 @@ class CorruptSnapshot(Exception):
 
 @dataclass(frozen=True, order=True)
 class SnapshotId:
-    """Names one snapshot; orders oldest first."""
+    """Names one snapshot: the version of the state it holds, and when it was written;
+    orders oldest first (see the module docstring)."""
 
+    lineage: int
     commits: int
+    generation: int
+    step: int
     unix_ns: int
+
+    @classmethod
+    def of(cls, version: StateVersion, unix_ns: int) -> SnapshotId:
+        if version.lineage == 0:  # no lineage: the older name, which has no version parts
+            return cls(0, version.commits, 0, 0, unix_ns)
+        return cls(*version.as_ints(), unix_ns)
+
+    @property
+    def version(self) -> StateVersion:
+        return StateVersion(self.lineage, self.commits, self.generation, self.step)
 
     @property
     def name(self) -> str:
-        return f"snap-{self.commits:012d}-{self.unix_ns:020d}"
+        if self.lineage == 0:
+            return f"snap-{self.commits:012d}-{self.unix_ns:020d}"
+        return (f"snap-{self.lineage:020d}-{self.commits:012d}-{self.generation:010d}-"
+                f"{self.step:010d}-{self.unix_ns:020d}")
 
     @classmethod
     def parse(cls, name: str) -> SnapshotId | None:
-        m = _NAME.match(name)
-        return cls(int(m.group(1)), int(m.group(2))) if m else None
+        if m := _NAME.fullmatch(name):
+            lineage, commits, generation, step, ns = (int(g) for g in m.groups())
+            return cls(lineage, commits, generation, step, ns) if lineage > 0 else None
+        if m := _LEGACY_NAME.fullmatch(name):
+            return cls(0, int(m.group(1)), 0, 0, int(m.group(2)))
+        return None
 
 
 @dataclass(frozen=True)
@@ -188,10 +227,16 @@ class SnapshotDir:
     # --- reading ------------------------------------------------------------------------------
 
     def names(self) -> list[SnapshotId]:
-        """Every snapshot directory (complete or not), oldest first; [] if there is none."""
+        """Every snapshot directory (complete or not), oldest first; [] if there is none or
+        the directory cannot be read (a permission, a stale NFS handle: said in a warning,
+        so that a restart goes on without snapshots rather than failing)."""
         try:
             entries = os.listdir(self.path)
         except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            log.warning("cannot list snapshot directory %s (%s): no snapshot of it is used",
+                        self.path, exc)
             return []
         return sorted(sid for e in entries if (sid := SnapshotId.parse(e)) is not None)
 
@@ -239,10 +284,13 @@ class SnapshotDir:
                                       f"{want.size}")
         return manifest
 
-    def newest_complete(self, skip: frozenset[SnapshotId] = frozenset()) -> Manifest | None:
-        """The newest snapshot (not in ``skip``) that passes :meth:`complete`; torn ones are
-        skipped with a warning."""
+    def newest_complete(self, skip: frozenset[SnapshotId] = frozenset(),
+                        above: StateVersion | None = None) -> Manifest | None:
+        """The newest snapshot (not in ``skip``, and holding a version newer than ``above``
+        when given) that passes :meth:`complete`; torn ones are skipped with a warning."""
         for sid in reversed(self.names()):
+            if above is not None and sid.version <= above:
+                return None  # the rest are older still
             if sid in skip:
                 continue
             try:
@@ -263,6 +311,57 @@ class SnapshotDir:
 
     def snapshot_path(self, sid: SnapshotId) -> Path:
         return self.path / sid.name
+
+    @contextlib.contextmanager
+    def reading(self, sid: SnapshotId) -> Iterator[Callable[[], None]]:
+        """While a resume reads ``sid``: a marker that keeps retention (on any host sharing
+        the directory) from deleting it. Yields a function that renews the marker (call it
+        now and then on long reads: a marker not renewed for an hour is a dead reader's)."""
+        marker = self.path / f"{_READING_PREFIX}{sid.name}@{socket.gethostname()}-{os.getpid()}"
+        try:
+            marker.touch()
+        except OSError as exc:
+            log.warning("cannot mark snapshot %s as being read (%s)", sid.name, exc)
+
+        def renew() -> None:
+            with contextlib.suppress(OSError):
+                os.utime(marker)
+
+        try:
+            yield renew
+        finally:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+
+    def set_aside(self, sid: SnapshotId, why: str) -> None:
+        """Move a snapshot found corrupt out of the way (renamed, never deleted: an operator
+        may want to look at it): it no longer counts as a snapshot, for resuming or for
+        retention, so a corrupt newest can never be the one snapshot kept."""
+        target = self.path / f"{CORRUPT_PREFIX}{sid.name}"
+        try:
+            os.rename(self.snapshot_path(sid), target)
+            log.warning("snapshot %s is corrupt (%s): set aside as %s", sid.name, why, target)
+        except OSError as exc:
+            log.warning("snapshot %s is corrupt (%s), and could not be set aside: %s",
+                        sid.name, why, exc)
+
+    def _being_read(self, now: float) -> set[str]:
+        """Names of snapshots some resume is reading (a marker renewed within the hour)."""
+        names: set[str] = set()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.path):
+                if not entry.name.startswith(_READING_PREFIX):
+                    continue
+                try:
+                    fresh = now - entry.stat().st_mtime <= _STALE_TMP_S
+                except OSError:
+                    continue
+                if fresh:
+                    names.add(entry.name[len(_READING_PREFIX):].split("@", 1)[0])
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        return names
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -290,25 +389,33 @@ class SnapshotDir:
             raise
         return manifest
 
-    def prune(self, keep: int, now: float | None = None) -> list[SnapshotId]:
-        """Delete all but the ``keep`` newest complete snapshots, every manifest-less one
-        older than the newest kept, and temporary directories of writers long gone.
-        Returns what was deleted (snapshots only)."""
+    def prune(self, keep: int, now: float | None = None,
+              written: SnapshotId | None = None) -> list[SnapshotId]:
+        """Delete all but the ``keep`` newest complete snapshots (in version order: see the
+        module docstring), every incomplete one older than the oldest kept, and temporary
+        directories of writers long gone. Never deleted: ``written`` (the snapshot just
+        written, which is known good: its checksums were computed from the files written)
+        and any snapshot a resume is reading. Returns what was deleted (snapshots only)."""
+        now = time.time() if now is None else now
         complete: list[SnapshotId] = []
         torn: list[SnapshotId] = []
         for sid in self.names():
             try:
-                self.manifest(sid)
+                self.complete(sid)
                 complete.append(sid)
             except CorruptSnapshot:
                 torn.append(sid)
-        kept = complete[-keep:] if keep > 0 else complete
-        oldest_kept = kept[0] if kept else None
+        kept = set(complete[-keep:] if keep > 0 else complete)
+        if written is not None:
+            kept.add(written)
+        reading = self._being_read(now)
+        kept |= {s for s in complete + torn if s.name in reading}
+        oldest_kept = min(kept) if kept else None
         doomed = [s for s in complete if s not in kept]
-        doomed += [s for s in torn if oldest_kept is not None and s < oldest_kept]
+        doomed += [s for s in torn if s not in kept and oldest_kept is not None
+                   and s < oldest_kept]
         for sid in doomed:
             shutil.rmtree(self.snapshot_path(sid), ignore_errors=True)
-        now = time.time() if now is None else now
         try:
             for entry in os.scandir(self.path):
                 if entry.name.startswith(_TMP_PREFIX) and \
@@ -321,6 +428,7 @@ class SnapshotDir:
 
 def describe(manifest: Manifest) -> dict[str, Any]:
     """A manifest as a small dict (for the CLI and logs)."""
-    return {"name": manifest.id.name, "commits": manifest.id.commits, "epoch": manifest.epoch,
+    return {"name": manifest.id.name, "lineage": manifest.id.lineage,
+            "commits": manifest.id.commits, "epoch": manifest.epoch,
             "step": manifest.step, "unix": manifest.unix, "bytes": manifest.total_bytes,
             "run_id": manifest.run_id, "world_size": manifest.world_size}

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from peer_elastic.agreement import Agreement
+from peer_elastic.agreement import Agreement, Claim, StateVersion
 from peer_elastic.durable.layout import SnapshotDir
 from peer_elastic.durable.resume import resume
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter, Written
@@ -97,9 +97,14 @@ class DurableSnapshots:
             return False
         return writer.wait_idle(timeout) and writer.written > before
 
+    def newest_version(self) -> StateVersion | None:
+        """The version of the newest complete snapshot this peer can see (for its claim)."""
+        newest = self.directory.newest_complete()
+        return newest.id.version if newest is not None else None
+
     def resumer(self, state: Any, generation: int,
-                device: torch.device) -> Callable[[], Agreement | None]:
-        return lambda: resume(state, self.directory, generation, device)
+                device: torch.device) -> Callable[[Sequence[Claim]], Agreement | None]:
+        return lambda claims: resume(state, self.directory, generation, device, claims)
 
     def close(self, timeout: float = 0.0) -> None:
         self.writer.close(timeout)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from peer_elastic import threads
+from peer_elastic.agreement import StateVersion
 from peer_elastic.codec import encode_values
 from peer_elastic.durable.layout import PLAIN, Manifest, SnapshotDir, SnapshotId, write_atomic
 from peer_elastic.torch.snapshots import copy_all
@@ -62,6 +63,13 @@ class SnapshotInfo:
     run_id: str
     generation: int
     world_size: int
+    # The version of the state (peer_elastic.agreement): the snapshot's name, which orders
+    # it among the others. None: the commit count alone (a snapshot of lineage 0).
+    version: StateVersion | None = None
+
+    def snapshot_id(self, commit_count: int) -> SnapshotId:
+        version = self.version or StateVersion(commits=commit_count)
+        return SnapshotId.of(version, time.time_ns())
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,7 @@ class SnapshotWriter:
             self._unsupported = True
             return False
         staged = self._staging.capture(tensors)
-        sid = SnapshotId(int(state.commit_count), time.time_ns())
+        sid = info.snapshot_id(int(state.commit_count))
         epoch = plain.get("values", {}).get("epoch")
         manifest = Manifest(sid, self.directory.job, info.run_id, info.generation,
                             info.world_size, epoch if type(epoch) is int and epoch >= 0 else 0,
@@ -236,6 +244,10 @@ class SnapshotWriter:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        removed = tuple(self.directory.prune(self.keep))
+        try:
+            removed = tuple(self.directory.prune(self.keep, written=sid))
+        except OSError as exc:  # the snapshot is written; retention tries again next time
+            log.warning("retention after snapshot %s failed: %s", sid.name, exc)
+            removed = ()
         return Written(written, self.directory.snapshot_path(sid), time.monotonic() - t0,
                        removed)

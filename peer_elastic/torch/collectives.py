@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, agree, holders
+from peer_elastic.agreement import (
+    Agreement,
+    Claim,
+    StateVersion,
+    agree,
+    holders,
+    new_lineage,
+    should_resume,
+)
 from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.torch.direct_all_reduce import start_all_reduce
 from peer_elastic.torch.snapshots import copy_all
@@ -507,11 +515,11 @@ def broadcast_tensors(
 
 
 def agree_and_sync(state: Any, claim: Claim, device: torch.device,
-                   resume: Callable[[], Agreement | None] | None = None,
+                   resume: Callable[[Sequence[Claim]], Agreement | None] | None = None,
                    committed: StateVersion | None = None) -> Agreement:
     """Agree on the newest state version, then sync from a rank holding it if needed.
 
-    Collective over the default group. One all-gather of every rank's :class:`Claim` (four
+    Collective over the default group. One all-gather of every rank's :class:`Claim` (a few
     integers each); every rank applies :func:`peer_elastic.agreement.agree` to the same list,
     so all sync from the same source, or all skip the sync when every rank already holds the
     same version and nobody asked for state. Every rank that holds the newest version and
@@ -521,18 +529,23 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
     what it held before. ``committed``, the version of this rank's restore point, lets a
     holder whose restore point already is that version skip the copy.
 
-    ``resume`` (durable snapshots) is called on every rank when no rank holds committed
-    state (every claim at the initial version): it is collective, and returns the agreement
-    to sync by when some rank loaded a snapshot into its live state, else None.
+    ``resume`` (durable snapshots) is called on every rank with the gathered claims when
+    :func:`~peer_elastic.agreement.should_resume` says so: no rank holds trained state, or
+    some rank sees a snapshot newer than every version held. It is collective, and returns
+    the agreement to sync by when some rank loaded a snapshot into its live state, else
+    None. A group that starts from the initial state starts a new lineage.
     """
     mine = torch.tensor(claim.as_ints(), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     claims = [Claim.from_ints(t.tolist()) for t in gathered]
     resumed = None
-    if resume is not None and all(c.version == StateVersion() for c in claims):
-        resumed = resume()  # every rank decides the same: the claims are the same list
+    if resume is not None and should_resume(claims):
+        resumed = resume(claims)  # every rank decides the same: the claims are the same list
     agreement = resumed or agree(claims)
+    if resumed is None and not agreement.version.trained:
+        # The script's initial state: a new lineage, above every one the group knows of.
+        agreement = Agreement(agreement.source, StateVersion(lineage=new_lineage(claims)))
     if agreement.source is None:
         return agreement
     if len({c.version for c in claims}) > 1:
