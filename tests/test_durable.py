@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -152,7 +153,9 @@ def test_due_interval_busy_skip_and_retention(tmp_path: Path) -> None:
         assert writer.wait_idle(60)
         assert not writer.offer(state, INFO)  # just written: not due
     assert [s.commits for s in directory.names()] == [3, 4]  # the newest two kept
-    assert [tuple(r.removed) for r in listener.results][2] == (SnapshotId(0, 1, 0, 0, listener.results[0].manifest.id.unix_ns),)
+    first = listener.results[0].manifest.id
+    assert [tuple(r.removed) for r in listener.results][2] == (SnapshotId(0, 1, 0, 0,
+                                                                          first.unix_ns),)
     # A due commit while a write is in flight is skipped and counted, not queued.
     gate = threading.Event()
     real = directory.publish
@@ -342,3 +345,121 @@ def test_snapshot_records_in_etcd_beside_a_running_job(etcd: str, unique_job: st
     finally:
         c.close(leave=True)
         client.close()
+
+
+# --- lineages: names, order, retention --------------------------------------------------------
+
+
+def info_at(lineage: int, commits: int, generation: int = 3, step: int = 4) -> SnapshotInfo:
+    return SnapshotInfo("r1-abc", generation, 2,
+                        StateVersion(lineage, commits, generation, step))
+
+
+def test_snapshot_names_carry_the_version_and_order_by_it() -> None:
+    sid = SnapshotId.of(StateVersion(5, 12, 3, 7), 99)
+    assert SnapshotId.parse(sid.name) == sid and sid.version == StateVersion(5, 12, 3, 7)
+    legacy = SnapshotId.parse("snap-000000000040-00000000000000000001")
+    assert legacy == SnapshotId(0, 40, 0, 0, 1) and legacy.name.startswith("snap-0000000000")
+    # A later lineage outranks any count of an older one; a final snapshot taken after the
+    # last commit (a later step of the same commit) outranks that commit's.
+    assert legacy < SnapshotId.of(StateVersion(1, 1, 1, 1), 0)
+    assert SnapshotId.of(StateVersion(5, 99, 9, 9), 9) < SnapshotId.of(StateVersion(6, 1, 1, 1), 0)
+    assert SnapshotId.of(StateVersion(6, 4, 2, 3), 9) < SnapshotId.of(StateVersion(6, 4, 2, 8), 0)
+    assert SnapshotId.parse("snap-" + "0" * 20 + "-000000000001-0000000001-0000000001-" +
+                            "0" * 20) is None  # lineage 0 has only the older form
+    assert SnapshotId.parse(sid.name + "\n") is None
+
+
+def test_a_lineage_restarted_lower_keeps_its_own_snapshots(tmp_path: Path) -> None:
+    """A reused job name with another model, or a resume from an older snapshot: the new
+    lineage's first snapshots count fewer commits than the old ones, and are still kept."""
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=2)
+    state = make_state(0)
+    for commits in (200, 201, 202):
+        assert writer.offer(state, info_at(1, commits), force=True) and writer.wait_idle(60)
+    for commits in (1, 2, 3):
+        assert writer.offer(state, info_at(2, commits), force=True) and writer.wait_idle(60)
+        assert directory.names()[-1].version == StateVersion(2, commits, 3, 4)  # not pruned
+    assert [(s.lineage, s.commits) for s in directory.names()] == [(2, 2), (2, 3)]
+    assert directory.newest_valid().id.lineage == 2
+
+
+def test_retention_never_deletes_the_snapshot_just_written(tmp_path: Path) -> None:
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=1)
+    state = make_state(0)
+    assert writer.offer(state, info_at(9, 50), force=True) and writer.wait_idle(60)
+    # A writer whose lineage ranks below (a clock behind, a branch): what it just wrote stays.
+    assert writer.offer(state, info_at(8, 60), force=True) and writer.wait_idle(60)
+    assert [s.lineage for s in directory.names()] == [8, 9]
+
+
+def test_a_corrupt_snapshot_is_set_aside_and_never_the_one_kept(
+        tmp_path: Path, one_rank_group: None) -> None:
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=1)
+    state = make_state(0)
+    train_a_little(state)
+    assert writer.offer(state, info_at(1, 1), force=True) and writer.wait_idle(60)
+    want = fingerprint(state)
+    # Only a good older one and a corrupt newer one (same size: only the checksum tells).
+    good = directory.names()[-1]
+    shutil.copytree(directory.snapshot_path(good), directory.path / "keep")
+    train_a_little(state)
+    assert writer.offer(state, info_at(1, 2), force=True) and writer.wait_idle(60)
+    os.rename(directory.path / "keep", directory.snapshot_path(good))
+    bad = directory.names()[-1]
+    data = next(p for p in directory.snapshot_path(bad).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    fresh = make_state(5)
+    agreement = resume(fresh, directory, 7, torch.device("cpu"),
+                       [Claim(StateVersion(), True, None, 11)])
+    assert agreement is not None and agreement.version == StateVersion(11, 1, 7, 0)
+    fresh.commit_count = agreement.version.commits
+    assert same(fingerprint(fresh), want)
+    assert directory.names() == [good]  # the corrupt one no longer counts ...
+    assert (directory.path / f"corrupt-{bad.name}").is_dir()  # ... and is kept for a look
+    directory.prune(keep=1)
+    assert directory.names() == [good]
+
+
+def test_a_snapshot_being_read_is_not_pruned(tmp_path: Path) -> None:
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=1)
+    state = make_state(0)
+    assert writer.offer(state, info_at(1, 1), force=True) and writer.wait_idle(60)
+    (old,) = directory.names()
+    with directory.reading(old):
+        assert writer.offer(state, info_at(1, 2), force=True) and writer.wait_idle(60)
+        assert old in directory.names()
+    directory.prune(keep=1)
+    assert old not in directory.names() and len(directory.names()) == 1
+    assert not [e for e in os.listdir(directory.path) if e.startswith(".reading-")]
+
+
+def test_resume_skips_snapshots_no_newer_than_the_state_held(
+        tmp_path: Path, one_rank_group: None) -> None:
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=3)
+    state = make_state(0)
+    assert writer.offer(state, info_at(4, 10, 2, 1), force=True) and writer.wait_idle(60)
+    held = Claim(StateVersion(4, 10, 5, 9), False, directory.names()[-1].version, 0)
+    assert resume(make_state(1), directory, 6, torch.device("cpu"), [held]) is None
+    behind = Claim(StateVersion(4, 3, 1, 1), False, directory.names()[-1].version, 0)
+    agreement = resume(make_state(1), directory, 6, torch.device("cpu"), [behind])
+    assert agreement is not None and agreement.version == StateVersion(5, 10, 6, 0)
+
+
+def test_an_unreadable_snapshot_directory_means_no_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = SnapshotDir(tmp_path, "job-a")
+    directory.path.mkdir()
+
+    def refuse(path: object) -> list[str]:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    assert directory.names() == [] and directory.newest_complete() is None

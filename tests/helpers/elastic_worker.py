@@ -71,7 +71,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
 holds (the model's counts and the sampler's progress come from the same snapshot, so the
-work after it is redone and counted once).
+work after it is redone and counted once). ``WORKER_SLOW_RESUME_S=<seconds>``: verifying a
+snapshot before loading it takes that much longer (a large snapshot on a slow disk).
 
 Prints (flushed) ``GEN <generation> <rank> <size>`` after each (re)formation, then
 ``START <epoch> <samples processed this epoch> <commit count>`` (what the state holds then),
@@ -128,6 +129,19 @@ if DDP_SUBGROUP not in ("", "1", "train"):
     raise SystemExit(f"WORKER_DDP_SUBGROUP={DDP_SUBGROUP!r}: expected 1 or train")
 if RECORD not in ("batch", "indices", "local"):
     raise SystemExit(f"WORKER_RECORD={RECORD!r}: expected batch, indices or local")
+
+SLOW_RESUME_S = float(os.environ.get("WORKER_SLOW_RESUME_S", "0"))
+if SLOW_RESUME_S:
+    from peer_elastic.durable.layout import SnapshotDir
+
+    _verify = SnapshotDir.verify
+
+    def _slow_verify(self: SnapshotDir, sid: object) -> object:
+        say("SLOW_RESUME", SLOW_RESUME_S)
+        time.sleep(SLOW_RESUME_S)
+        return _verify(self, sid)  # type: ignore[arg-type]
+
+    SnapshotDir.verify = _slow_verify  # type: ignore[assignment,method-assign]
 
 # --- stalls: WORKER_HANG_AT / WORKER_HANG_FLAG / WORKER_HANG_FILE / WORKER_SLOW_AT ------------
 HANG_AT = os.environ.get("WORKER_HANG_AT")
