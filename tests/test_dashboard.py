@@ -1,5 +1,7 @@
 """peer-elastic dashboard in a real headless Chromium: the page lists the members and shows
-a peer's SIGKILL as a new generation within 2 s of etcd holding it."""
+a peer's SIGKILL as a new generation within 2 s of etcd holding it. And the real server's
+defences: requests for other host names (DNS rebinding) refused, slow and idle connections
+closed, connections past the cap refused at once."""
 
 from __future__ import annotations
 
