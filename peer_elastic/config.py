@@ -111,7 +111,6 @@ class JobSettings:
                 "or change the job's settings."
             )
 
-
     def for_this_peer(self, job: JobConfig) -> JobConfig:
         """The run's settings as this peer applies them: ``job`` (read from etcd), except
         that every :data:`PER_PEER` setting is this peer's own value (its default when unset
