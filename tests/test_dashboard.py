@@ -279,3 +279,22 @@ def test_connections_past_the_cap_are_refused_at_once_and_do_not_starve_the_serv
         time.sleep(0.02)
     status, _ = raw_get(port, "localhost")
     assert status == 200
+
+
+@pytest.mark.parametrize("header, host", [
+    ("[::1]:8080", "::1"), ("[::1]", "::1"), ("Example.ORG.", "example.org"),
+    ("localhost:80", "localhost"), ("10.0.0.1:8080", "10.0.0.1"), ("::1", "::1"),
+])
+def test_host_of_a_header(header: str, host: str) -> None:
+    from peer_elastic.ops.http_guard import host_of
+
+    assert host_of(header) == host
+
+
+def test_a_wildcard_bind_allows_no_name_of_its_own() -> None:
+    from peer_elastic.ops.http_guard import HostAllowList
+
+    assert not HostAllowList("0.0.0.0").allows("myhost:8080")
+    assert HostAllowList("0.0.0.0", ["myhost"]).allows("myhost:8080")
+    assert HostAllowList("dash.internal").allows("dash.internal:8080")
+    assert HostAllowList("::").allows("[fe80::1]:8080")
