@@ -121,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         "dashboard", help="serve a read-only web page of a job",
         description="Members, the generation timeline with causes, recovery timings, "
         "progress and settings, updated twice a second. Read-only; no authentication of "
-        "its own: it binds loopback unless --host says otherwise."))
+        "its own: it binds loopback unless --host says otherwise. It answers requests for "
+        "loopback names, IP addresses, the listen address and --allow-host names only."))
     dash.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    dash.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                      help="a host name the page may be reached by (a proxy's, this "
+                      "machine's); repeatable. Requests for other names get 403")
     dash.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0: any)")
 
     report = _job_flags(sub.add_parser(
@@ -499,7 +503,8 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     _need(args, parser, "etcd", "job")
     with client_from_env(args.etcd, retry_budget_s=args.timeout) as client:
         try:
-            dash = Dashboard(client, args.job, args.host, args.port).start()
+            dash = Dashboard(client, args.job, args.host, args.port,
+                             allowed_hosts=args.allow_host).start()
         except OSError as exc:
             print(f"peer-elastic: cannot serve on {args.host}:{args.port}: {exc}",
                   file=sys.stderr)

@@ -4,18 +4,23 @@ Every peer of a run must agree on the job settings. The first peer writes them (
 run record); a later peer adopts whatever it did not set itself, and fails with a message
 naming both values when it set something differently. Identical peers started by systemd
 therefore need no arguments: everything can come from ``PEER_ELASTIC_*`` variables.
+
+The exception is :data:`PER_PEER`: settings that name something on this peer's own machine
+(``snapshot_dir``, a directory whose files a peer loads). A peer takes them only from its own
+arguments and environment, never from etcd: whoever can write the job's prefix must not be
+able to point a peer at files of their choosing (:meth:`JobSettings.for_this_peer`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from peer_elastic.errors import ConfigError
 from peer_elastic.records import JobConfig
+from peer_elastic.setting_rules import setting_problem
 from peer_elastic.settings_table import JOB_SETTINGS, EnvVar
 
 log = logging.getLogger(__name__)
@@ -25,6 +30,10 @@ log = logging.getLogger(__name__)
 #: environment variables (:mod:`peer_elastic.settings_table`).
 JOB_FIELDS: tuple[EnvVar, ...] = JOB_SETTINGS
 _BY_NAME = {f.name: f for f in JOB_FIELDS}
+
+#: Job settings each peer takes from its own arguments and environment only. The run record
+#: carries the first peer's value (``status`` shows it); no peer ever uses it.
+PER_PEER: frozenset[str] = frozenset({"snapshot_dir"})
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ class JobSettings:
         diffs = []
         for f in JOB_FIELDS:
             mine = getattr(self, f.name)
-            if mine is None:
+            if mine is None or f.name in PER_PEER:
                 continue
             if adopt and f.name in adopt:
                 if mine != getattr(job, f.name):
@@ -102,38 +111,46 @@ class JobSettings:
                 "or change the job's settings."
             )
 
+    def for_this_peer(self, job: JobConfig) -> JobConfig:
+        """The run's settings as this peer applies them: ``job`` (read from etcd), except
+        that every :data:`PER_PEER` setting is this peer's own value (its default when unset
+        here), whatever the run record says."""
+        mine = JobConfig()
+        mine.CopyFrom(job)
+        for name in PER_PEER:
+            value = getattr(self, name)
+            setattr(mine, name, _BY_NAME[name].default if value is None else value)
+        return mine
+
+    def per_peer_differences(self, job: JobConfig) -> list[str]:
+        """For a person: each :data:`PER_PEER` setting where this peer differs from the run's
+        first peer, and what this peer does about it (it uses its own)."""
+        out = []
+        for name in sorted(PER_PEER):
+            f = _BY_NAME[name]
+            mine = getattr(self.for_this_peer(job), name)
+            theirs = getattr(job, name)
+            if mine == theirs:
+                continue
+            if not mine:
+                out.append(f"{name}: the run's first peer has {theirs!r}; this peer has none "
+                           f"({f.env} unset), so it writes and resumes from no durable "
+                           f"snapshots. A value in etcd is never used: set {f.env} on this "
+                           f"peer to take part")
+            else:
+                out.append(f"{name}: this peer uses its own {mine!r} ({f.env}); the run's first "
+                           f"peer has {theirs!r}")
+        return out
+
 
 def validate(cfg: JobConfig) -> None:
-    """Reject settings no job can run with, with a message that says which and why."""
-    for f in JOB_FIELDS:
-        # NaN passes every comparison below (all are False), and inf disables a timeout or
-        # a lease silently: neither is a setting anyone means.
-        if f.kind is float and not math.isfinite(getattr(cfg, f.name)):
-            raise ConfigError(f"{f.name} must be a finite number, got {getattr(cfg, f.name)} "
-                              f"({f.env})")
-    if cfg.min_np < 1:
-        raise ConfigError(f"min_np must be at least 1, got {cfg.min_np}")
-    if cfg.max_np and cfg.max_np < cfg.min_np:
-        raise ConfigError(f"max_np ({cfg.max_np}) is smaller than min_np ({cfg.min_np})")
-    if cfg.lease_ttl_s < 1:
-        raise ConfigError(f"lease_ttl_s must be at least 1 s (etcd grants whole seconds), "
-                          f"got {cfg.lease_ttl_s}")
-    for name in ("join_timeout_s", "elastic_timeout_s", "blacklist_cooldown_s", "run_ttl_s"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("settle_s", "start_settle_s"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
-    if not math.isfinite(cfg.hang_timeout_s) or cfg.hang_timeout_s < 0:
-        raise ConfigError(f"hang_timeout_s must be 0 (off) or a positive number of seconds, "
-                          f"got {cfg.hang_timeout_s}")
-    if cfg.snapshot_every_s <= 0:
-        raise ConfigError(f"snapshot_every_s must be positive, got {cfg.snapshot_every_s}")
-    if cfg.snapshot_keep < 1:
-        raise ConfigError(f"snapshot_keep must be at least 1, got {cfg.snapshot_keep}")
-    if cfg.run_ttl_s < cfg.lease_ttl_s:
-        raise ConfigError(f"run_ttl_s ({cfg.run_ttl_s}) must be at least lease_ttl_s "
-                          f"({cfg.lease_ttl_s})")
+    """Reject settings no job can run with, with a message that says which and why.
+
+    The rules are :func:`peer_elastic.setting_rules.setting_problem`'s, the same that a run
+    record read from etcd must pass."""
+    problem = setting_problem(cfg)
+    if problem is not None:
+        raise ConfigError(str(problem))
 
 
 def config_dict(cfg: JobConfig) -> dict[str, Any]:

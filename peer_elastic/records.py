@@ -34,6 +34,8 @@ from peer_elastic.proto.records_pb2 import (
     SnapshotRecord,
     StateRecord,
 )
+from peer_elastic.setting_rules import setting_problem
+from peer_elastic.settings_table import JOB_SETTINGS
 
 __all__ = [
     "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
@@ -49,13 +51,14 @@ SCHEMA = 1
 
 M = TypeVar("M", bound=Message)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 MAX_RECORD_BYTES = 1 << 20  # etcd's default request limit is 1.5 MiB
 
 
 def valid_name(name: str) -> bool:
     """Job names, member ids, run ids and host names used in keys: no '/', bounded length."""
-    return bool(_NAME.match(name))
+    # fullmatch: "$" would also accept a trailing newline, which then reaches a key.
+    return _NAME.fullmatch(name) is not None
 
 
 def encode(record: Message) -> bytes:
@@ -92,6 +95,17 @@ def decode(cls: type[M], data: bytes, key: str = "?") -> M:
     return record
 
 
+#: Job settings added after the first run records were written. Such a record reads 0 for
+#: them, which means "the default": no peer could have been started with 0.
+_ADDED_LATER = tuple(f for f in JOB_SETTINGS if f.name in ("snapshot_every_s", "snapshot_keep"))
+
+
+def _fill_settings_added_later(cfg: JobConfig) -> None:
+    for f in _ADDED_LATER:
+        if not getattr(cfg, f.name):
+            setattr(cfg, f.name, f.default)
+
+
 def _validate(record: Message, key: str) -> None:
     def bad(why: str) -> RecordError:
         return RecordError(f"{key}: invalid {type(record).__name__}: {why}")
@@ -121,13 +135,12 @@ def _validate(record: Message, key: str) -> None:
             raise bad(f"run id {record.run_id!r}")
         if record.lease_id == 0:
             raise bad("no run lease")
-        c = record.config
-        if c.min_np < 1 or (c.max_np and c.max_np < c.min_np):
-            raise bad(f"min_np={c.min_np} max_np={c.max_np}")
-        for f in c.DESCRIPTOR.fields:
-            if f.cpp_type in (f.CPPTYPE_DOUBLE, f.CPPTYPE_FLOAT) \
-                    and not math.isfinite(getattr(c, f.name)):
-                raise bad(f"{f.name}={getattr(c, f.name)} is not a finite number")
+        _fill_settings_added_later(record.config)
+        # The same rules as the settings a peer is started with: a value no peer could be
+        # started with is no more acceptable written straight into etcd.
+        problem = setting_problem(record.config)
+        if problem is not None:
+            raise bad(str(problem))
     elif isinstance(record, SnapshotRecord):
         # The name is a key segment and a directory name: no "/" and no "..".
         if not valid_name(record.name) or not record.name.startswith("snap-"):

@@ -123,7 +123,7 @@ HANG_TIMEOUT = _job("hang_timeout_s", "PEER_ELASTIC_HANG_TIMEOUT", float, 30.0,
 SNAPSHOT_DIR = _job("snapshot_dir", "PEER_ELASTIC_SNAPSHOT_DIR", str, "",
                     "durable snapshots go to <dir>/<job>/ (a local path or a shared file system); "
                     "a whole job restarted after losing every peer resumes from the newest "
-                    "(empty = off)")
+                    "(empty = off). Each peer's own: never taken from etcd or another peer")
 SNAPSHOT_EVERY = _job("snapshot_every_s", "PEER_ELASTIC_SNAPSHOT_EVERY", float, 300.0,
                       "a commit at least this long after the last snapshot writes one in the "
                       "background (only with a snapshot_dir)")

@@ -1,5 +1,7 @@
 """peer-elastic dashboard in a real headless Chromium: the page lists the members and shows
-a peer's SIGKILL as a new generation within 2 s of etcd holding it."""
+a peer's SIGKILL as a new generation within 2 s of etcd holding it. And the real server's
+defences: requests for other host names (DNS rebinding) refused, slow and idle connections
+closed, connections past the cap refused at once."""
 
 from __future__ import annotations
 
@@ -8,11 +10,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +166,135 @@ def test_dashboard_command_serves_loopback_until_terminated(etcd: str, unique_jo
         proc.wait(timeout=10)
         c.close()
         client.close()
+
+
+# -- what keeps the server safe to leave running (peer_elastic.ops.http_guard) ----------------
+
+
+def raw_get(port: int, host_header: str | None, timeout: float = 10) -> tuple[int, bytes]:
+    """One GET of /api/state with exactly this Host header (None: none); (status, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        head = "GET /api/state HTTP/1.1\r\n"
+        if host_header is not None:
+            head += f"Host: {host_header}\r\n"
+        s.sendall((head + "Connection: close\r\n\r\n").encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+@pytest.fixture
+def serve(etcd: str, unique_job: str) -> Iterator[Callable[..., Dashboard]]:
+    """Start a dashboard of a job with no run on loopback, any port; stopped afterwards."""
+    client = EtcdClient(etcd)
+    made: list[Dashboard] = []
+
+    def start(**kw: Any) -> Dashboard:
+        made.append(Dashboard(client, unique_job, "127.0.0.1", 0, **kw).start())
+        return made[-1]
+
+    yield start
+    for dash in made:
+        dash.stop()
+    client.close()
+
+
+@pytest.fixture
+def dashboard(serve: Callable[..., Dashboard]) -> Dashboard:
+    return serve(allowed_hosts=["dash.example.org"], request_timeout_s=1.0, max_connections=4)
+
+
+def port_of(dash: Dashboard) -> int:
+    return int(dash.url.rsplit(":", 1)[1].strip("/"))
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "localhost.evil.example",
+                                  "127.0.0.1.nip.io", "", None])
+def test_a_request_for_another_host_name_is_refused(dashboard: Dashboard, host: str | None) -> None:
+    status, body = raw_get(port_of(dashboard), host)
+    assert status == 403 and b"--allow-host" in body
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LOCALHOST",
+                                  "[::1]:{port}", "10.1.2.3:{port}", "dash.example.org:{port}",
+                                  "app.localhost"])
+def test_loopback_names_addresses_and_allowed_names_are_served(
+        dashboard: Dashboard, host: str) -> None:
+    port = port_of(dashboard)
+    status, body = raw_get(port, host.format(port=port))
+    assert status == 200 and json.loads(body)["job"] == dashboard.state.job
+
+
+def test_a_slow_or_idle_connection_is_closed_after_the_request_timeout(
+        dashboard: Dashboard) -> None:
+    port = port_of(dashboard)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as idle, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as drip:
+        t0 = time.monotonic()
+        drip.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n")
+        closed = None
+        # A header byte every 0.2 s: each read succeeds, the whole head never arrives.
+        while time.monotonic() - t0 < 8:
+            try:
+                drip.sendall(b"X")
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+            time.sleep(0.2)  # the attacker's pace, not a wait for the server
+        assert closed is not None and closed < 5, closed
+        idle.settimeout(8)
+        assert idle.recv(1) == b""  # closed by the server, well before our 8 s
+        assert time.monotonic() - t0 < 6
+    assert dashboard.deadlines.expired >= 2
+
+
+def test_connections_past_the_cap_are_refused_at_once_and_do_not_starve_the_server(
+        serve: Callable[..., Dashboard]) -> None:
+    # A request timeout longer than the test: the held connections stay until we close them.
+    dashboard = serve(request_timeout_s=60.0, max_connections=4)
+    port = port_of(dashboard)
+    threads_before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 5
+        while dashboard.cap.active < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)  # sampling the server's count until it accepted the 4
+        assert dashboard.cap.active == 4
+        for _ in range(20):  # many more: each answered 503 at once, no thread each
+            t0 = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                answer = extra.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert time.monotonic() - t0 < 1.0
+        assert threading.active_count() <= threads_before + 8  # 4 handlers, no more
+        assert dashboard.cap.refused >= 20
+    finally:
+        for s in held:
+            s.close()
+    # The held connections closed, their handlers end and service resumes.
+    deadline = time.monotonic() + 10
+    while dashboard.cap.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, _ = raw_get(port, "localhost")
+    assert status == 200
+
+
+@pytest.mark.parametrize("header, host", [
+    ("[::1]:8080", "::1"), ("[::1]", "::1"), ("Example.ORG.", "example.org"),
+    ("localhost:80", "localhost"), ("10.0.0.1:8080", "10.0.0.1"), ("::1", "::1"),
+])
+def test_host_of_a_header(header: str, host: str) -> None:
+    from peer_elastic.ops.http_guard import host_of
+
+    assert host_of(header) == host
+
+
+def test_a_wildcard_bind_allows_no_name_of_its_own() -> None:
+    from peer_elastic.ops.http_guard import HostAllowList
+
+    assert not HostAllowList("0.0.0.0").allows("myhost:8080")
+    assert HostAllowList("0.0.0.0", ["myhost"]).allows("myhost:8080")
+    assert HostAllowList("dash.internal").allows("dash.internal:8080")
+    assert HostAllowList("::").allows("[fe80::1]:8080")

@@ -110,6 +110,7 @@ class Coordinator:
         self.job = job
         self.settings = settings or JobSettings()
         self.config: JobConfig = self.settings.resolved()  # validates before touching etcd
+        self._config_source: JobConfig | None = None  # the run record's, self.config is from
         self.host = host or default_host()
         if not valid_name(self.host):
             raise ConfigError(f"invalid host name {self.host!r} for a member id")
@@ -504,7 +505,10 @@ class Coordinator:
                 self._ack(gen.number, alive=True)  # proof of life after the break
         if self.member_id in snap.drains:
             self.drain_requested.set()
-        self.config = snap.run.config
+        if snap.run.config is not self._config_source:  # a new run record: adopt it
+            # Never the run record's per-peer settings (snapshot_dir): this peer's own.
+            self.config = self.settings.for_this_peer(snap.run.config)
+            self._config_source = snap.run.config
         self.deaths.update(snap, self.member_id)
         return self.leader.step(snap, now, self.deaths.confirmed())
 

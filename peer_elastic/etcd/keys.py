@@ -11,7 +11,7 @@
 /peer-elastic/<job>/<run>/gen/<n>/arrived/<m>   empty (run lease): m passed n's commit point
 /peer-elastic/<job>/<run>/gen/<n>/store/...     torch Store keys (run lease)
 /peer-elastic/<job>/<run>/drain/<member>        DrainRecord (run lease)
-/peer-elastic/<job>/<run>/fenced/<member>       FenceRecord (run lease): it took itself out
+/peer-elastic/<job>/<run>/fenced/<member>       FenceRecord (own lease): it took itself out
 /peer-elastic/<job>/<run>/unreachable/<member>  ReachRecord (member lease): whom it cannot reach
 /peer-elastic/<job>/<run>/failures/<host>       HostRecord (run lease)
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)

@@ -80,16 +80,14 @@ class Identity:
 
 @dataclass(frozen=True)
 class Registration:
-    """A member key in etcd: who, in which run, under which lease."""
+    """A member key in etcd: who, in which run, under which lease, with which settings
+    (the run's, with this peer's own per-peer ones: :meth:`JobSettings.for_this_peer`)."""
 
     member_id: str
     run: RunRecord
     keys: RunKeys
     session: Session
-
-    @property
-    def config(self) -> JobConfig:
-        return self.run.config
+    config: JobConfig
 
 
 def register(client: EtcdClient, job: str, settings: JobSettings, identity: Identity,
@@ -112,7 +110,8 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
             if run_kv is None:
                 run = _create_run(client, job, wanted, identity, session, member_id)
                 if run is not None:
-                    return Registration(member_id, run, RunKeys(job, run.run_id), session)
+                    return Registration(member_id, run, RunKeys(job, run.run_id), session,
+                                        settings.for_this_peer(run.config))
                 continue
             run = _adopt_run(job, settings, run_kv.value, run_kv.key)
             keys = RunKeys(job, run.run_id)
@@ -125,7 +124,10 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
                 [Txn.put(keys.member(member_id), encode(rec), session.lease_id)],
             )
             if ok:
-                return Registration(member_id, run, keys, session)
+                for difference in settings.per_peer_differences(run.config):
+                    log.warning("job %s: %s", job, difference)
+                return Registration(member_id, run, keys, session,
+                                    settings.for_this_peer(run.config))
         raise PeerElasticError(f"job {job!r}: the run record kept changing; "
                                f"could not register after {ATTEMPTS} attempts")
     except BaseException:

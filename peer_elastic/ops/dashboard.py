@@ -7,6 +7,11 @@ twice a second. The document is the ``status --json`` document plus the run's
 throughput). Nothing here writes to etcd. It binds loopback unless told otherwise: the
 page names hosts, addresses and the job's settings, and it has no authentication of its
 own; reach it through an SSH tunnel or a proxy that authenticates.
+
+It answers only requests whose ``Host`` names it (:class:`~peer_elastic.ops.http_guard.
+HostAllowList`: no DNS rebinding), closes a connection that has not sent its request within
+``request_timeout_s``, and serves at most ``max_connections`` at once (one more is answered
+503 at once): :mod:`peer_elastic.ops.http_guard`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,12 +33,18 @@ from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.snapshot_records import list_snapshots
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.ops import timeline as tl
+from peer_elastic.ops.http_guard import ConnectionCap, HostAllowList, ReadDeadlines
 from peer_elastic.ops.page import PAGE
 
 log = logging.getLogger(__name__)
 
 #: How often the lease of every member is asked for its age (one request per member).
 LAST_SEEN_EVERY_S = 1.0
+#: A connection must send its request head within this, and each write to it must finish
+#: within it; a browser's poll takes milliseconds.
+REQUEST_TIMEOUT_S = 10.0
+#: Connections served at once. The page polls with one short request at a time per tab.
+MAX_CONNECTIONS = 32
 
 
 class JobState:
@@ -117,11 +129,49 @@ class JobState:
             self._seen, self._seen_at = last_seen(self.client, snap), now
 
 
-def _handler(state: JobState) -> type[BaseHTTPRequestHandler]:
+class _FirstSeen:
+    """Which values were seen before (at most ``limit`` remembered): a page that keeps
+    polling with a refused host name is logged once, not twice a second."""
+
+    def __init__(self, limit: int = 100) -> None:
+        self._seen: set[object] = set()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def first(self, value: object) -> bool:
+        with self._lock:
+            if value in self._seen or len(self._seen) >= self._limit:
+                return False
+            self._seen.add(value)
+            return True
+
+
+def _handler(state: JobState, hosts: HostAllowList,
+             deadlines: ReadDeadlines) -> type[BaseHTTPRequestHandler]:
+    refused_hosts = _FirstSeen()
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "peer-elastic-dashboard"
+        timeout = deadlines.timeout_s  # each read and write of the connection (the stdlib's)
+
+        def handle_one_request(self) -> None:
+            deadlines.arm(self.connection)  # the request head must arrive in time
+            try:
+                super().handle_one_request()
+            finally:
+                deadlines.disarm(self.connection)
 
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            deadlines.disarm(self.connection)  # the head is in; answering may take a while
+            host = self.headers.get("Host")
+            if not hosts.allows(host):
+                level = logging.WARNING if refused_hosts.first(host) else logging.DEBUG
+                log.log(level, "dashboard: refused a request for host %r from %s (not one of "
+                        "%s; --allow-host adds a name)", host, self.client_address[0],
+                        sorted(hosts.names))
+                self._send(403, "text/plain", b"this server does not answer for that host "
+                           b"name; start the dashboard with --allow-host NAME to allow it\n")
+                return
             path = self.path.split("?", 1)[0]
             if path == "/":
                 self._send(200, "text/html; charset=utf-8", PAGE.encode())
@@ -150,21 +200,49 @@ def _handler(state: JobState) -> type[BaseHTTPRequestHandler]:
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most ``cap.limit`` of them; more are refused at once."""
+
     daemon_threads = True  # a browser's open connection must not hold up a stop
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 cap: ConnectionCap) -> None:
         if ":" in address[0]:  # an IPv6 literal such as ::1
             self.address_family = socket.AF_INET6
+        self.cap = cap
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.cap.try_enter():
+            log.warning("dashboard: %d connections open, refused one from %s",
+                        self.cap.limit, client_address[0])
+            self.cap.refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else will leave
+            self.cap.leave()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.cap.leave()
 
 
 class Dashboard:
     """The page and its JSON, served from a thread (``url`` once started)."""
 
     def __init__(self, client: EtcdClient, job: str, host: str = "127.0.0.1",
-                 port: int = 8080) -> None:
+                 port: int = 8080, allowed_hosts: Iterable[str] = (),
+                 request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.state = JobState(client, job)
-        self._server = _Server((host, port), _handler(self.state))
+        self.hosts = HostAllowList(host, allowed_hosts)
+        self.deadlines = ReadDeadlines(request_timeout_s)
+        self.cap = ConnectionCap(max_connections)
+        self._server = _Server((host, port), _handler(self.state, self.hosts, self.deadlines),
+                               self.cap)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="dashboard-http", daemon=True)
 
@@ -176,10 +254,12 @@ class Dashboard:
 
     def start(self) -> Dashboard:
         self.state.start()
+        self.deadlines.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self.deadlines.stop()
         self.state.stop()
