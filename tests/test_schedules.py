@@ -78,6 +78,8 @@ def test_plans_are_seeded_and_keep_the_model(seed: int) -> None:
             assert hang_detection() is not None
         if e.kind == "restart":  # only where there is a snapshot to resume from
             assert plan.pattern.snapshots and not paused, (seed, e)
+            if e.variant == "park":  # a roster of two at least, which may lose one
+                assert min(live, mx) >= 2 and min(live, mx) - 1 >= mn, (seed, e)
     assert (mx, mn, paused) == (plan.max_np, plan.min_np, False)
 
 
@@ -91,6 +93,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         kinds.update("burst" for e in plan.events if e.burst)
         kinds.update("peers_only" for e in plan.events if e.peers_only)
         kinds.update("kill_during" for e in plan.events if e.kill_during)
+        kinds.update(f"restart:{e.variant}" for e in plan.events if e.kind == "restart")
         kinds.update("long_outage" for e in plan.events
                      if e.kind == "etcd_all" and e.hold_s >= LONG_OUTAGE_HOLD_S[0])
         kinds.update([f"shape={(plan.peers, plan.min_np, plan.max_np)}"])
@@ -100,7 +103,8 @@ def test_plans_cover_every_kind_and_pattern() -> None:
                          f"ddp_hook={plan.pattern.ddp_hook}", f"forks={plan.pattern.forks}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only",
-            "restart", "stop_mid", "kill_during", "long_outage"}
+            "restart", "stop_mid", "kill_during", "long_outage", "restart:park",
+            "restart:lower", "restart:slow", "restart:"}
     want |= {f"shape={shape}" for shape in SHAPES}
     if hang_detection() is not None:
         want.add("hang")

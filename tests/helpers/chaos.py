@@ -397,18 +397,19 @@ class ChaosRunner:
 
     # -- peers ---------------------------------------------------------------------------------
 
-    def spawn(self) -> Tracked:
+    def spawn(self, **env: object) -> Tracked:
         # Each peer lists the etcd members in a different order, so a member outage hits
         # the peers talking to it and not the others.
         eps = self.etcd.endpoints
         k = len(self.peers) % len(eps)
         if self.hosts is None:
-            (proc,) = self.cluster.start(1, PEER_ELASTIC_ETCD=",".join(eps[k:] + eps[:k]))
+            (proc,) = self.cluster.start(1, PEER_ELASTIC_ETCD=",".join(eps[k:] + eps[:k]), **env)
         else:
             host = self.hosts.hosts[len(self.peers) % len(self.hosts.hosts)]
             bridged = [f"{self.hosts.bridge_ip4}:{m.client_port}" for m in self.etcd.members]
             (proc,) = self.cluster.start(1, wrap=host.exec_args, where=host.name,
-                                         PEER_ELASTIC_ETCD=",".join(bridged[k:] + bridged[:k]))
+                                         PEER_ELASTIC_ETCD=",".join(bridged[k:] + bridged[:k]),
+                                         **env)
         t = Tracked(proc, time.monotonic(), host=None if self.hosts is None else host)
         self.peers.append(t)
         return t

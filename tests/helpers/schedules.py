@@ -55,7 +55,16 @@ for STEP/GEN progress and checks exit codes) with the remaining kinds:
                     (``kill_during``, drawn apart too) a running peer is SIGKILLed halfway
                     through: a machine lost while nobody can write a new generation.
 * ``restart``       (plans with durable snapshots only) SIGKILL every running peer at once and
-                    start as many again: they resume from the newest snapshot.
+                    start as many again: they resume from the newest snapshot, never from an
+                    older one (checked on their first START line). Variants (``variant``,
+                    drawn apart): ``park``: ``set max_np`` first parks one roster member, the
+                    others train on and write snapshots, then only they are killed (the parked
+                    peer lives on with an older state in memory) and ``max_np`` goes back;
+                    ``lower``: the newest snapshot is hidden while the job restarts, so it
+                    resumes at a lower commit count, and is put back once the new lineage has
+                    written a snapshot of its own (retention and later restarts must prefer
+                    the new lineage); ``slow``: the restarted peers take longer than
+                    ``collective_timeout_s`` to verify the snapshot they load.
 
 The job is given a generous epoch cap and ended as soon as the schedule is done
 (``WORKER_END_FILE``); the oracle then checks exactly the epochs trained. Every message
@@ -77,6 +86,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from peer_elastic.config import JOB_FIELDS
+from peer_elastic.durable.layout import Manifest, SnapshotDir
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.chaos import SETTINGS, Applied, ChaosFailure, ChaosRunner, Event, Tracked
 from tests.helpers.procs import ROOT
@@ -86,6 +96,7 @@ EVENTS_ENV = "PEER_ELASTIC_SCHEDULE_EVENTS"
 
 JOIN_TIMEOUT_S = float(SETTINGS["PEER_ELASTIC_JOIN_TIMEOUT"])  # type: ignore[arg-type]
 LEASE_TTL_S = float(SETTINGS["PEER_ELASTIC_LEASE_TTL"])  # type: ignore[arg-type]
+COLLECTIVE_TIMEOUT_S = float(SETTINGS["PEER_ELASTIC_COLLECTIVE_TIMEOUT"])  # type: ignore[arg-type]
 HANG_TIMEOUT_S = 10.0  # PEER_ELASTIC_HANG_TIMEOUT for the job, when the library has it
 
 def hang_detection() -> dict[str, Any] | None:
@@ -164,6 +175,7 @@ class SEvent(Event):
     #                   hosts only, not from etcd (the peers there keep their leases)
     kill_during: bool = False  # etcd_all: a running peer is SIGKILLed halfway through the
     #                   outage (the others can form no generation without it until etcd is back)
+    variant: str = ""  # restart: "" (plain), "park", "lower" or "slow" (see the module doc)
 
     def _describe(self) -> str:
         if self.kind in ("set_max", "set_min"):
@@ -179,6 +191,8 @@ class SEvent(Event):
             return f"#{self.index} train {self.value} STEP positions"
         if self.kill_during:
             return super()._describe() + ", a peer SIGKILLed halfway"
+        if self.kind == "restart" and self.variant:
+            return f"#{self.index} restart ({self.variant})"
         if self.kind in ("kill", "term") and self.target:
             return f"#{self.index} {self.kind} {self.target}"
         return super()._describe()
@@ -238,6 +252,10 @@ FORKS_SHARE = 0.3  # plans whose peers fork children (Pattern.forks)
 SNAPSHOT_EVERY_S = 0.5
 #: In those plans, the share of events (while not paused) that a whole-job restart follows.
 RESTART_SHARE = 0.12
+#: The restart variants (SEvent.variant) and their shares; the rest are plain restarts.
+RESTART_VARIANTS = {"park": 0.25, "lower": 0.2, "slow": 0.15}
+#: How much longer than the collective timeout a ``slow`` restart's verification takes.
+SLOW_RESUME_EXTRA_S = 2.0
 
 
 def draw_shape(seed: int) -> tuple[int, int, int]:
@@ -285,6 +303,7 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     # Which whole-etcd outages last several TTLs, and which lose a peer: drawn apart too.
     long_outages = random.Random(f"{seed}/long-outage")
     outage_kills = random.Random(f"{seed}/outage-kill")
+    restart_kinds = random.Random(f"{seed}/restart-kind")
     if pattern.ddp and random.Random(f"{seed}/subgroup").random() < 0.5:  # drawn apart
         where = "train" if random.Random(f"{seed}/subgroup-where").random() < 0.5 else "1"
         pattern = replace(pattern, ddp_subgroup=where)
@@ -374,7 +393,17 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         if pattern.snapshots and not paused and len(out) < n_events \
                 and restarts.random() < RESTART_SHARE:
             # Drawn apart, with a gap of its own: the plan's other draws stay as they were.
-            out.append(SEvent(len(out), "restart", gap_s=round(restarts.uniform(0.0, 1.0), 2)))
+            variant, draw = "", restart_kinds.random()
+            for name, share in RESTART_VARIANTS.items():
+                if draw < share:
+                    variant = name
+                    break
+                draw -= share
+            # Parking one needs a roster of two that may lose one (max_np >= min_np).
+            if variant == "park" and not (min(live, mx) >= 2 and min(live, mx) - 1 >= mn):
+                variant = ""
+            out.append(SEvent(len(out), "restart", gap_s=round(restarts.uniform(0.0, 1.0), 2),
+                              variant=variant))
     if out[-1].burst:  # nothing follows to land mid-reset
         out[-1] = replace(out[-1], burst=False)
     if paused:
@@ -384,6 +413,17 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
     if mx != max_np:
         emit("set_max", value=max_np)
     return Plan(seed, pattern, out, peers, min_np, max_np)
+
+
+def _newer(found: Manifest | None, than: Manifest | None) -> bool:
+    return found is not None and (than is None or found.id > than.id)
+
+
+def _first_start(p: Tracked, after: int) -> list[str] | None:
+    """The fields of ``p``'s first START line after its ``after``-th line."""
+    with p.proc.cond:
+        return next((line.split()[1:] for line in p.proc.lines[after:]
+                     if line.startswith("START ")), None)
 
 
 def seed_from_env(environ: dict[str, str] | None = None) -> int | None:
@@ -604,20 +644,57 @@ class ScheduleRunner(ChaosRunner):
     def _do_restart(self, ev: Event, a: Applied) -> None:
         """Every running peer SIGKILLed at once (a preemption of the whole job), then as
         many started again: the group they form holds no state and resumes from the newest
-        durable snapshot (plans with ``Pattern.snapshots`` only)."""
-        gone = self.running()
+        durable snapshot (plans with ``Pattern.snapshots`` only). Variants: see the module
+        docstring."""
+        variant = ev.variant if isinstance(ev, SEvent) else ""
+        directory = SnapshotDir(self.workdir / "snapshots", self.job)
         g0 = self.max_gen
+        if variant == "park":
+            size = len(self.roster())
+            at_park = directory.newest_valid()
+            self.cli("set", f"max_np={size - 1}")
+            self.wait_progress(f"{ev.describe()}: park one", above_gen=g0)
+            g0 = self.max_gen
+            self.wait_for("a snapshot after the park", lambda: _newer(
+                directory.newest_valid(), at_park), timeout=120)
+            gone = self.roster()  # the parked standby lives on, its state behind
+        else:
+            gone = self.running()
+        marks = {p.name: len(p.proc.lines) for p in self.running()}
         for p in gone:
             p.state = "killed"
             p.proc.signal(signal.SIGKILL)
         for p in gone:
             p.proc.proc.wait(timeout=30)
-        a.target, a.role = f"all {len(gone)} running peers", "everyone"
+        a.target, a.role = f"all {len(gone)} roster peers" if variant == "park" else \
+            f"all {len(gone)} running peers", "everyone"
+        newest = directory.newest_valid()
+        hidden: Path | None = None
+        if variant == "lower" and newest is not None and len(directory.names()) >= 2:
+            hidden = directory.path / f"hidden-{newest.id.name}"
+            os.rename(directory.snapshot_path(newest.id), hidden)
+            newest = directory.newest_valid()
+        if variant == "park":
+            self.cli("set", f"max_np={self.max_np}")
+        env: dict[str, object] = {}
+        if variant == "slow":
+            env["WORKER_SLOW_RESUME_S"] = COLLECTIVE_TIMEOUT_S + SLOW_RESUME_EXTRA_S
         for _ in gone:
-            self.spawn()
+            self.spawn(**env)
         self.wait_for("the restarted peers to register", lambda: all(
             p.joined_at is not None for p in self.running()), timeout=120)
         self.wait_progress(ev.describe(), above_gen=g0)
+        if newest is not None:
+            first = [int(s[2]) for p in self.running()
+                     if (s := _first_start(p, marks.get(p.name, 0))) is not None]
+            if first and min(first) < newest.id.commits:
+                self.problems.append(f"{ev.describe()}: the job went on from {min(first)} "
+                                     f"commits, behind the newest snapshot {newest.id.name}")
+        if hidden is not None:
+            kept = directory.newest_valid()
+            self.wait_for("a snapshot of the restarted lineage", lambda: _newer(
+                directory.newest_valid(), kept), timeout=120)
+            os.rename(hidden, directory.path / hidden.name[len("hidden-"):])
 
     # -- the end ----------------------------------------------------------------------------------
 
