@@ -21,6 +21,11 @@ from peer_elastic.settings_table import JOB_SETTINGS, EnvVar
 log = logging.getLogger(__name__)
 
 
+#: The shortest hang_timeout_s other than 0 (off). The hang monitor starts the clock afresh
+#: when it wakes this much later than planned (peer_elastic.liveness.FREEZE_SLACK_S): below
+#: it, a pause of the whole process would be blamed on the training thread.
+MIN_HANG_TIMEOUT_S = 1.0
+
 #: Every job setting, its environment variable and default: the job rows of the one table of
 #: environment variables (:mod:`peer_elastic.settings_table`).
 JOB_FIELDS: tuple[EnvVar, ...] = JOB_SETTINGS
@@ -46,6 +51,7 @@ class JobSettings:
     snapshot_dir: str | None = None
     snapshot_every_s: float | None = None
     snapshot_keep: int | None = None
+    hang_first_step_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:
@@ -121,12 +127,15 @@ def validate(cfg: JobConfig) -> None:
     for name in ("join_timeout_s", "elastic_timeout_s", "blacklist_cooldown_s", "run_ttl_s"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    for name in ("settle_s", "start_settle_s"):
+    for name in ("settle_s", "start_settle_s", "hang_first_step_s"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
-    if not math.isfinite(cfg.hang_timeout_s) or cfg.hang_timeout_s < 0:
-        raise ConfigError(f"hang_timeout_s must be 0 (off) or a positive number of seconds, "
-                          f"got {cfg.hang_timeout_s}")
+    if cfg.hang_timeout_s != 0 and not cfg.hang_timeout_s >= MIN_HANG_TIMEOUT_S:
+        raise ConfigError(
+            f"hang_timeout_s must be 0 (off) or at least {MIN_HANG_TIMEOUT_S:g} s, got "
+            f"{cfg.hang_timeout_s}: shorter, a healthy peer whose process pauses briefly "
+            f"(a garbage collection, a busy machine) is fenced, and every fence counts "
+            f"towards its host's blacklist")
     if cfg.snapshot_every_s <= 0:
         raise ConfigError(f"snapshot_every_s must be positive, got {cfg.snapshot_every_s}")
     if cfg.snapshot_keep < 1:
