@@ -349,9 +349,12 @@ class HangDetector:
             # Waiting on others is not this peer's hang; exempt work is not a hang either.
             self._credit_at = now
             return Verdict(False, 0.0, timeout, now + period)
-        first = rec.first_step
+        # Before its first step the longer allowance applies; the report names the one
+        # that did (an allowance no longer than hang_timeout_s changes nothing).
+        allowance = self._first_step_allowance() if rec.first_step else 0.0
+        first = allowance > timeout
         if first:
-            timeout = max(timeout, self._first_step_allowance())
+            timeout = allowance
         idle = now - max(rec.progress_at, self._credit_at)
         if idle >= timeout:
             return Verdict(True, idle, timeout, now, first)

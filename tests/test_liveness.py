@@ -227,7 +227,9 @@ def test_a_first_step_allowance_under_hang_timeout_changes_nothing(rig: Rig,
     with rig.live.training():
         assert not rig.run_for(2.9)
         assert rig.run_for(0.2)
-        assert rig.det.poll().timeout_s == 3.0
+        v = rig.det.poll()
+        assert v.timeout_s == 3.0 and not v.first_step  # hang_timeout_s is what applied
+        assert "(hang_timeout_s=3)" in rig.det.report(v).summary()
 
 
 def test_the_first_step_allowance_is_read_each_time(rig: Rig) -> None:
@@ -569,6 +571,35 @@ def test_a_hung_training_thread_is_fenced_and_the_rest_finish_exactly_once(
     assert len(hung_events) == 1 and "made no progress" in hung_events[0]["detail"], events
     gens = [e["detail"] for e in events if e["kind"] == "generation"]
     assert any("hung" in d and hung_events[0]["member"] in d for d in gens), gens
+
+
+@pytest.mark.slow
+def test_a_long_first_step_is_not_a_hang_and_a_hang_after_it_still_is(
+        cluster: Cluster, tmp_path: Path) -> None:
+    # Each time the training function starts, every peer spends twice hang_timeout_s before
+    # its first batch (compiling, a data loader warming up), within hang_first_step_s. Then
+    # one peer's training thread blocks for good at batch 30: that is still a hang. The
+    # survivor starts the training function again after the reset, warms up again, and is
+    # not fenced for it.
+    warmup = 2 * HANG_TIMEOUT
+    peers = cluster.start(2, PEER_ELASTIC_HANG_FIRST_STEP=30, WORKER_FIRST_STEP_S=warmup,
+                          WORKER_HANG_AT="0:30", WORKER_HANG_FLAG=tmp_path / "hung")
+    hung = first_to_print(peers, "HANGING", timeout=180)
+    (other,) = [p for p in peers if p is not hung]
+    assert hung.wait(120) == EXIT_HUNG, hung.output()
+    assert other.wait(240) == 0, other.output()
+    assert "peer-elastic: hung" not in other.output()
+    with hung.cond:
+        out = "\n".join(hung.lines)
+    assert "made no progress" in out and f"(hang_timeout_s={HANG_TIMEOUT:g})" in out, out
+    with other.cond:
+        warmups = [line for line in other.lines if line.startswith("WARMUP")]
+    assert len(warmups) >= 2, other.output()  # the job's start and the reset after the hang
+    found = results(peers)
+    assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    assert found[0]["world"] == 1
+    hung_events = [e for e in events_of(cluster) if e["kind"] == "hung"]
+    assert len(hung_events) == 1 and "first step" not in hung_events[0]["detail"], hung_events
 
 
 @pytest.mark.slow
