@@ -449,6 +449,7 @@ def test_hang_timeout_has_a_lower_bound_and_first_step_a_default() -> None:
             JobSettings.from_env({"PEER_ELASTIC_HANG_FIRST_STEP": bad}).resolved()
 
 
+@pytest.mark.slow
 def test_set_refuses_a_hang_timeout_under_the_bound_on_a_running_job(
         etcd: str, unique_job: str) -> None:
     from peer_elastic.etcd.admin import current_run
