@@ -55,6 +55,7 @@ class JobSettings:
     snapshot_dir: str | None = None
     snapshot_every_s: float | None = None
     snapshot_keep: int | None = None
+    hang_first_step_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:

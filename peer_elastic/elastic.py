@@ -127,7 +127,8 @@ class Peer:
         # committed state resumes from the newest.
         self.snapshots = DurableSnapshots.for_job(getattr(coordinator, "config", None),
                                                   coordinator.job, self.stats,
-                                                  getattr(coordinator, "client", None))
+                                                  getattr(coordinator, "client", None),
+                                                  hang_exempt=self._liveness.exempt)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -532,6 +533,15 @@ class Peer:
         collective) so that time is never taken for a hang of this peer.
         """
         return self._liveness.collective()
+
+    def hang_exempt(self) -> AbstractContextManager[None]:
+        """Mark work of the training thread that may outlast ``hang_timeout_s`` and is not a
+        hang: a checkpoint your code saves, a long evaluation pass without steps.
+
+        Its time never counts towards a hang, and the clock starts afresh when it ends. A
+        hang inside it is not detected, so mark only work that ends.
+        """
+        return self._liveness.exempt()
 
     def close(self) -> None:
         if self.snapshots is not None:

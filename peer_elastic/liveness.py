@@ -15,13 +15,18 @@ So the training thread is watched too:
 * :class:`HangDetector` decides, from that record, a clock and the training thread's Python
   stack, whether the thread is hung: it has been inside the training function, outside any
   collective, for ``hang_timeout_s`` since it last made progress. Progress is a step, the
-  start of the training function, and the end of a wait on other peers. A wait on other
+  start of the training function, the end of a wait on other peers and the end of exempt
+  work. Until its first step after the training function starts (the job's start, every
+  reset: compilation, the first forward, a data loader's warm-up, DDP's first buckets) the
+  allowance is ``hang_first_step_s`` instead, when that is longer. A wait on other
   peers is a marked collective of our own, or a stack with a frame under
   ``torch/distributed/``, DDP, or the autograd engine's backward (where DDP's all-reduces
   run); the stack is sampled every ``min(1 s, hang_timeout_s / 10)``. Time spent outside the
   training function (forming a group, waiting as a standby, syncing state, reset
   callbacks) never counts, nor does time the whole process did not run (SIGSTOP, swapping):
-  the monitor notices it woke up late and starts the clock afresh;
+  the monitor notices it woke up late and starts the clock afresh. Nor does work marked
+  exempt (:meth:`TrainingLiveness.exempt`): rank 0's staging copy of a durable snapshot,
+  and whatever the user marks with ``Peer.hang_exempt()`` (a checkpoint of their own);
 * :class:`HangMonitor` is the thread that polls the detector and, on a hang, calls
   :func:`respond_to_hang`: dump every thread's stack (faulthandler) to stderr, fence the
   member (:func:`peer_elastic.etcd.fence.fence_member`: event, fence record, member key and
@@ -104,22 +109,25 @@ class TrainingRecord:
 
     activity: Activity
     thread_id: int | None
-    progress_at: float  # clock time of the last step, training start or end of a collective
+    progress_at: float  # clock time of the last step, training start, end of a marked span
     in_collective: bool  # inside a collective that marked itself
     steps: int
+    exempt: bool = False  # inside work marked as no hang (a snapshot's staging copy)
+    first_step: bool = False  # in the training function, before its first step
 
 
-class _Collective:
-    """``with liveness.collective():`` marks a wait on other peers (reusable, reentrant)."""
+class _Span:
+    """A reusable, reentrant context manager calling ``enter`` and ``leave``: how the
+    training thread marks a collective or exempt work at the cost of a lock each way."""
 
-    def __init__(self, owner: TrainingLiveness) -> None:
-        self._owner = owner
+    def __init__(self, enter: Callable[[], None], leave: Callable[[], None]) -> None:
+        self._enter, self._leave = enter, leave
 
     def __enter__(self) -> None:
-        self._owner._enter_collective()
+        self._enter()
 
     def __exit__(self, *exc: object) -> None:
-        self._owner._leave_collective()
+        self._leave()
 
 
 class TrainingLiveness:
@@ -132,31 +140,43 @@ class TrainingLiveness:
         self._thread: int | None = None
         self._progress_at = clock()
         self._depth = 0
+        self._exempt_depth = 0
+        self._first_step = False
         self._steps = 0
-        self._collective = _Collective(self)
+        self._collective = _Span(self._enter_collective, self._leave_collective)
+        self._exempt = _Span(self._enter_exempt, self._leave_exempt)
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Around the call of the user's training function, on the training thread."""
         with self._lock:
             self._activity, self._thread = Activity.TRAINING, threading.get_ident()
-            self._progress_at, self._depth = self._clock(), 0
+            self._progress_at, self._depth, self._exempt_depth = self._clock(), 0, 0
+            self._first_step = True  # entered anew (the job's start, a reset): warm-up
         try:
             yield
         finally:
             with self._lock:
                 self._activity, self._thread = Activity.OUTSIDE, None
-                self._progress_at, self._depth = self._clock(), 0
+                self._progress_at, self._depth, self._exempt_depth = self._clock(), 0, 0
+                self._first_step = False
 
     def stepped(self) -> None:
         """The training thread reached a step (``check_host_updates()``)."""
         with self._lock:
             self._progress_at = self._clock()
             self._steps += 1
+            self._first_step = False
 
-    def collective(self) -> _Collective:
+    def collective(self) -> contextlib.AbstractContextManager[None]:
         """A context manager marking a wait on other peers the stack may not show."""
         return self._collective
+
+    def exempt(self) -> contextlib.AbstractContextManager[None]:
+        """A context manager marking work of the training thread that is not a hang however
+        long it takes (a durable snapshot's staging copy, a checkpoint the user saves). Its
+        time never counts, and its end counts as progress. Not a wait on other peers."""
+        return self._exempt
 
     def _enter_collective(self) -> None:
         with self._lock:
@@ -167,10 +187,20 @@ class TrainingLiveness:
             self._depth = max(0, self._depth - 1)
             self._progress_at = self._clock()  # it waited for the others: that was progress
 
+    def _enter_exempt(self) -> None:
+        with self._lock:
+            self._exempt_depth += 1
+
+    def _leave_exempt(self) -> None:
+        with self._lock:
+            self._exempt_depth = max(0, self._exempt_depth - 1)
+            self._progress_at = self._clock()  # the clock runs from the end of exempt work
+
     def read(self) -> TrainingRecord:
         with self._lock:
             return TrainingRecord(self._activity, self._thread, self._progress_at,
-                                  self._depth > 0, self._steps)
+                                  self._depth > 0, self._steps, self._exempt_depth > 0,
+                                  self._first_step)
 
 
 def frame_waits_on_peers(frame: FrameType | None) -> bool:
@@ -216,8 +246,9 @@ class Verdict:
 
     hung: bool
     idle_s: float  # time in its own code since it last made progress (0 when not counted)
-    timeout_s: float
+    timeout_s: float  # the allowance that applied: hang_timeout_s, or the first step's
     look_again_at: float  # clock time of the next look
+    first_step: bool = False  # the thread had not reached its first step since it started
 
 
 @dataclass(frozen=True)
@@ -229,12 +260,15 @@ class HangReport:
     thread_id: int
     thread_name: str
     where: tuple[str, ...]  # innermost frames first, "file:line in function"
+    first_step: bool = False  # stuck before the first step since the training function started
 
     def summary(self) -> str:
         at = " <- ".join(self.where) if self.where else "unknown"
+        allowance = (f"before its first step since the training function started "
+                     f"(hang_first_step_s={self.timeout_s:g})" if self.first_step
+                     else f"(hang_timeout_s={self.timeout_s:g})")
         return (f"training thread {self.thread_name!r} made no progress for {self.idle_s:.1f} s "
-                f"in its own code, outside any collective (hang_timeout_s="
-                f"{self.timeout_s:g}); at {at}")
+                f"in its own code, outside any collective {allowance}; at {at}")
 
 
 def sample_period(timeout_s: float) -> float:
@@ -252,12 +286,14 @@ class HangDetector:
         liveness: TrainingLiveness,
         timeout_s: Callable[[], float],
         *,
+        first_step_s: Callable[[], float] = lambda: 0.0,
         waits_on_peers: Callable[[int], bool] = thread_waits_on_peers,
         clock: Callable[[], float] = time.monotonic,
         freeze_slack_s: float = FREEZE_SLACK_S,
     ) -> None:
         self._liveness = liveness
         self._timeout_s = timeout_s
+        self._first_step_s = first_step_s
         self._waits_on_peers = waits_on_peers
         self._clock = clock
         self._freeze_slack_s = freeze_slack_s
@@ -309,13 +345,28 @@ class HangDetector:
         period = sample_period(timeout)
         if not training:
             return Verdict(False, 0.0, timeout, now + period)
-        if waiting:
-            self._credit_at = now  # waiting on others is not this peer's hang
+        if waiting or rec.exempt:
+            # Waiting on others is not this peer's hang; exempt work is not a hang either.
+            self._credit_at = now
             return Verdict(False, 0.0, timeout, now + period)
+        # Before its first step the longer allowance applies; the report names the one
+        # that did (an allowance no longer than hang_timeout_s changes nothing).
+        allowance = self._first_step_allowance() if rec.first_step else 0.0
+        first = allowance > timeout
+        if first:
+            timeout = allowance
         idle = now - max(rec.progress_at, self._credit_at)
         if idle >= timeout:
-            return Verdict(True, idle, timeout, now)
-        return Verdict(False, idle, timeout, now + min(period, timeout - idle))
+            return Verdict(True, idle, timeout, now, first)
+        return Verdict(False, idle, timeout, now + min(period, timeout - idle), first)
+
+    def _first_step_allowance(self) -> float:
+        """hang_first_step_s; 0 (no allowance of its own) when unreadable or not finite."""
+        try:
+            allowance = float(self._first_step_s())
+        except Exception:  # settings unreadable (closing): hang_timeout_s alone applies
+            return 0.0
+        return allowance if math.isfinite(allowance) else 0.0
 
     def report(self, verdict: Verdict) -> HangReport:
         """Where the training thread is stuck, for the log and the event log."""
@@ -328,7 +379,8 @@ class HangDetector:
             stack = traceback.extract_stack(frame)[::-1][:4]
             where = tuple(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
                           for f in stack)
-        return HangReport(verdict.idle_s, verdict.timeout_s, tid, name, where)
+        return HangReport(verdict.idle_s, verdict.timeout_s, tid, name, where,
+                          verdict.first_step)
 
 
 class HangMonitor:
@@ -428,7 +480,8 @@ class TrainingWatch:
         self._generation = generation
         self._exit = exit
         self.detector = HangDetector(
-            self.liveness, lambda: float(coordinator.config.hang_timeout_s), clock=clock)
+            self.liveness, lambda: float(coordinator.config.hang_timeout_s),
+            first_step_s=lambda: float(coordinator.config.hang_first_step_s), clock=clock)
         # on_waiting: how long the training thread has waited on its peers, about every
         # second while it does (the group manager probes them when that grows long).
         self.monitor = HangMonitor(self.detector, self._respond, clock, on_waiting)
@@ -441,6 +494,9 @@ class TrainingWatch:
 
     def collective(self) -> contextlib.AbstractContextManager[None]:
         return self.liveness.collective()
+
+    def exempt(self) -> contextlib.AbstractContextManager[None]:
+        return self.liveness.exempt()
 
     def start(self) -> None:
         self.monitor.start()

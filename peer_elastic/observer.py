@@ -35,8 +35,9 @@ class PeerStats:
 
     #: Groups whose stuck collectives this peer abandoned because a member's lease ended.
     collectives_abandoned: int = 0
-    #: Durable snapshots this peer wrote, failed to write (disk full, permissions: training
-    #: went on), and skipped because the previous write was still in flight.
+    #: Durable snapshots this peer wrote, failed to write (disk full, permissions, a failed
+    #: staging copy: training went on), and skipped because the previous write was still in
+    #: flight.
     snapshots_written: int = 0
     snapshots_failed: int = 0
     snapshots_skipped: int = 0

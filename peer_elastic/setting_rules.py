@@ -25,13 +25,16 @@ __all__ = ["MAX_DURATION_S", "MAX_PEERS", "MIN_HANG_TIMEOUT_S", "SettingProblem"
 MAX_DURATION_S = 366 * 86400.0
 #: Most peers a job may ask for (min_np, max_np).
 MAX_PEERS = 1_000_000
-#: A hang timeout below this dumps and fences healthy peers between two ordinary steps.
+#: The shortest hang_timeout_s other than 0 (off). The hang monitor starts the clock afresh
+#: when it wakes this much later than planned (peer_elastic.liveness.FREEZE_SLACK_S): below
+#: it, a pause of the whole process would be blamed on the training thread, and healthy
+#: peers would be fenced between two ordinary steps.
 MIN_HANG_TIMEOUT_S = 1.0
 
 _FLOATS = tuple(f for f in JOB_SETTINGS if f.kind is float)
 _POSITIVE = ("join_timeout_s", "elastic_timeout_s", "blacklist_cooldown_s", "run_ttl_s",
              "snapshot_every_s")
-_NOT_NEGATIVE = ("settle_s", "start_settle_s")
+_NOT_NEGATIVE = ("settle_s", "start_settle_s", "hang_first_step_s")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,10 @@ def setting_problem(cfg: JobConfig) -> SettingProblem | None:
     if cfg.hang_timeout_s != 0 and cfg.hang_timeout_s < MIN_HANG_TIMEOUT_S:
         return SettingProblem("hang_timeout_s",
                               f"hang_timeout_s must be 0 (off) or at least "
-                              f"{MIN_HANG_TIMEOUT_S:.0f} s, got {cfg.hang_timeout_s}")
+                              f"{MIN_HANG_TIMEOUT_S:.0f} s, got {cfg.hang_timeout_s}: "
+                              f"shorter, a healthy peer whose process pauses briefly (a "
+                              f"garbage collection, a busy machine) is fenced, and every "
+                              f"fence counts towards its host's blacklist")
     if cfg.snapshot_keep < 1:
         return SettingProblem("snapshot_keep",
                               f"snapshot_keep must be at least 1, got {cfg.snapshot_keep}")

@@ -119,7 +119,12 @@ RUN_TTL = _job("run_ttl_s", "PEER_ELASTIC_RUN_TTL", float, 60.0,
 HANG_TIMEOUT = _job("hang_timeout_s", "PEER_ELASTIC_HANG_TIMEOUT", float, 30.0,
                     "a peer whose training thread spends this long in its own code without "
                     "reaching a step (outside collectives) dumps its stacks, leaves and exits 5 "
-                    "(0 = off)")
+                    "(0 = off; else at least 1)")
+HANG_FIRST_STEP = _job("hang_first_step_s", "PEER_ELASTIC_HANG_FIRST_STEP", float, 600.0,
+                       "each time the training function starts (the job's start, every "
+                       "reset), its first step may take this long instead of hang_timeout_s "
+                       "(compilation, the first forward, data loader warm-up; the longer of "
+                       "the two applies; 0 = hang_timeout_s)")
 SNAPSHOT_DIR = _job("snapshot_dir", "PEER_ELASTIC_SNAPSHOT_DIR", str, "",
                     "durable snapshots go to <dir>/<job>/ (a local path or a shared file system); "
                     "a whole job restarted after losing every peer resumes from the newest "
@@ -187,7 +192,7 @@ ETCD_BINARY = EnvVar("PEER_ELASTIC_ETCD_BINARY", str, None,
 ENV_VARS: tuple[EnvVar, ...] = (
     MIN_NP, MAX_NP, LEASE_TTL, JOIN_TIMEOUT, ELASTIC_TIMEOUT, RESET_LIMIT, BLACKLIST_AFTER,
     BLACKLIST_COOLDOWN, SETTLE, START_SETTLE, RUN_TTL, HANG_TIMEOUT, SNAPSHOT_DIR, SNAPSHOT_EVERY,
-    SNAPSHOT_KEEP,
+    SNAPSHOT_KEEP, HANG_FIRST_STEP,
     JOB, ETCD, ETCD_CA, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, BACKEND,
     COLLECTIVE_TIMEOUT, ABANDON_COLLECTIVES, HOST, NET_ADDR, NET_IFNAME, LOG_LEVEL, LOCAL_RANK, METRICS_PORT,
     METRICS_ADDR,

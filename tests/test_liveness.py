@@ -57,9 +57,11 @@ class Rig:
     def __init__(self, timeout: float = 3.0) -> None:
         self.clock = FakeClock()
         self.timeout = timeout
+        self.first_step = 0.0  # hang_first_step_s: 0 = no allowance of its own
         self.waiting = False
         self.live = TrainingLiveness(self.clock)
         self.det = HangDetector(self.live, lambda: self.timeout, clock=self.clock,
+                                first_step_s=lambda: self.first_step,
                                 waits_on_peers=lambda tid: self.waiting)
 
     def run_for(self, seconds: float) -> bool:
@@ -189,6 +191,67 @@ def test_the_monitor_tells_how_long_the_thread_waits_on_peers() -> None:
         finally:
             mon.stop()
     assert told[1] > told[0] >= 0.0
+
+
+def test_the_first_step_has_its_own_allowance_each_time_training_starts(rig: Rig) -> None:
+    rig.first_step = 20.0
+    for _entry in range(2):  # the job's start, then a reset: the function is entered again
+        with rig.live.training():
+            assert not rig.run_for(19.9)  # compiling, warming up: not a hang
+            rig.live.stepped()
+            assert not rig.run_for(2.9)  # after the first step, hang_timeout_s again
+            assert rig.run_for(0.2)
+            v = rig.det.poll()
+            assert v.hung and not v.first_step and v.timeout_s == 3.0
+
+
+def test_a_first_step_stuck_past_its_allowance_is_a_hang_and_says_so(rig: Rig) -> None:
+    rig.first_step = 20.0
+    with rig.live.training():
+        rig.waiting = True  # the first step's collective (DDP's broadcast, say)
+        assert not rig.run_for(50.0)
+        rig.waiting = False
+        assert not rig.run_for(19.0)  # still its first step: the allowance holds
+        assert rig.run_for(1.5)
+        v = rig.det.poll()
+        assert v.hung and v.first_step and v.timeout_s == 20.0
+        report = rig.det.report(v)
+    assert report.first_step and "hang_first_step_s=20" in report.summary()
+    assert "before its first step" in report.summary()
+
+
+@pytest.mark.parametrize("first_step", [0.0, 1.0])
+def test_a_first_step_allowance_under_hang_timeout_changes_nothing(rig: Rig,
+                                                                   first_step: float) -> None:
+    rig.first_step = first_step  # 0 (an older run's record), or shorter than the timeout
+    with rig.live.training():
+        assert not rig.run_for(2.9)
+        assert rig.run_for(0.2)
+        v = rig.det.poll()
+        assert v.timeout_s == 3.0 and not v.first_step  # hang_timeout_s is what applied
+        assert "(hang_timeout_s=3)" in rig.det.report(v).summary()
+
+
+def test_the_first_step_allowance_is_read_each_time(rig: Rig) -> None:
+    with rig.live.training():
+        assert not rig.run_for(2.0)
+        rig.first_step = 10.0  # peer-elastic set hang_first_step_s=10 meanwhile
+        assert not rig.run_for(7.9)
+        assert rig.run_for(0.2)
+
+
+def test_exempt_work_is_not_counted_and_the_clock_restarts_at_its_end(rig: Rig) -> None:
+    with rig.live.training():
+        rig.live.stepped()
+        assert not rig.run_for(2.0)
+        with rig.live.exempt():  # rank 0's snapshot staging, a user's checkpoint
+            assert not rig.run_for(60.0)
+            with rig.live.exempt():  # reentrant
+                assert not rig.run_for(5.0)
+            assert not rig.run_for(5.0)  # still inside the outer one
+        assert rig.det.waiting_on_peers_s() == 0.0  # exempt work is no wait on peers
+        assert not rig.run_for(2.9)  # a fresh clock from its end
+        assert rig.run_for(0.2)
 
 
 def test_sample_period_is_a_tenth_of_the_timeout_at_most_a_second() -> None:
@@ -370,6 +433,55 @@ def test_the_next_generation_names_a_fenced_member_hung_and_never_readmits_it() 
     assert [m.id for m in snap2.eligible()] == ["m1", "m3"]
 
 
+def test_hang_timeout_has_a_lower_bound_and_first_step_a_default() -> None:
+    for ok in ("0", "1", "1.5", "30"):
+        JobSettings.from_env({"PEER_ELASTIC_HANG_TIMEOUT": ok}).resolved()
+    for bad in ("0.05", "0.999", "-0.5"):
+        with pytest.raises(ConfigError, match=r"hang_timeout_s must be 0 \(off\) or at least "
+                           r"1 s, got .*fenced.*blacklist"):
+            JobSettings.from_env({"PEER_ELASTIC_HANG_TIMEOUT": bad}).resolved()
+    cfg = JobSettings().resolved()
+    assert cfg.hang_first_step_s == 600.0
+    assert JobSettings.from_env({"PEER_ELASTIC_HANG_FIRST_STEP": "0"}).resolved() \
+        .hang_first_step_s == 0.0  # no allowance of its own: hang_timeout_s
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="hang_first_step_s"):
+            JobSettings.from_env({"PEER_ELASTIC_HANG_FIRST_STEP": bad}).resolved()
+
+
+@pytest.mark.slow
+def test_set_refuses_a_hang_timeout_under_the_bound_on_a_running_job(
+        etcd: str, unique_job: str) -> None:
+    from peer_elastic.etcd.admin import current_run
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    client = EtcdClient(etcd, retry_budget_s=10)
+    c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
+    try:
+        c.wait_generation(0, timeout=30)
+
+        def cli_set(*assignments: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "peer_elastic.cli", "set", "--etcd",
+                                   etcd, "--job", unique_job, *assignments],
+                                  capture_output=True, text=True, timeout=120)
+
+        refused = cli_set("hang_timeout_s=0.05")
+        assert refused.returncode != 0, refused.stdout
+        assert "hang_timeout_s must be 0 (off) or at least 1 s, got 0.05" in refused.stderr
+        assert "blacklist" in refused.stderr
+        run, _ = current_run(client, unique_job)
+        assert run.config.hang_timeout_s == 30.0 and "hang_timeout_s" not in run.overridden
+        # Both hang settings change at run time (the detector reads them at every look).
+        done = cli_set("hang_timeout_s=1", "hang_first_step_s=120")
+        assert done.returncode == 0, done.stderr
+        run, _ = current_run(client, unique_job)
+        assert run.config.hang_timeout_s == 1.0 and run.config.hang_first_step_s == 120.0
+    finally:
+        c.close(leave=True)
+        client.close()
+
+
 # -- the real thing -----------------------------------------------------------------------
 
 HANG_TIMEOUT = 3.0
@@ -460,6 +572,35 @@ def test_a_hung_training_thread_is_fenced_and_the_rest_finish_exactly_once(
     assert len(hung_events) == 1 and "made no progress" in hung_events[0]["detail"], events
     gens = [e["detail"] for e in events if e["kind"] == "generation"]
     assert any("hung" in d and hung_events[0]["member"] in d for d in gens), gens
+
+
+@pytest.mark.slow
+def test_a_long_first_step_is_not_a_hang_and_a_hang_after_it_still_is(
+        cluster: Cluster, tmp_path: Path) -> None:
+    # Each time the training function starts, every peer spends twice hang_timeout_s before
+    # its first batch (compiling, a data loader warming up), within hang_first_step_s. Then
+    # one peer's training thread blocks for good at batch 30: that is still a hang. The
+    # survivor starts the training function again after the reset, warms up again, and is
+    # not fenced for it.
+    warmup = 2 * HANG_TIMEOUT
+    peers = cluster.start(2, PEER_ELASTIC_HANG_FIRST_STEP=30, WORKER_FIRST_STEP_S=warmup,
+                          WORKER_HANG_AT="0:30", WORKER_HANG_FLAG=tmp_path / "hung")
+    hung = first_to_print(peers, "HANGING", timeout=180)
+    (other,) = [p for p in peers if p is not hung]
+    assert hung.wait(120) == EXIT_HUNG, hung.output()
+    assert other.wait(240) == 0, other.output()
+    assert "peer-elastic: hung" not in other.output()
+    with hung.cond:
+        out = "\n".join(hung.lines)
+    assert "made no progress" in out and f"(hang_timeout_s={HANG_TIMEOUT:g})" in out, out
+    with other.cond:
+        warmups = [line for line in other.lines if line.startswith("WARMUP")]
+    assert len(warmups) >= 2, other.output()  # the job's start and the reset after the hang
+    found = results(peers)
+    assert len(found) == 1 and found[0]["exact"] and found[0]["identical"], found
+    assert found[0]["world"] == 1
+    hung_events = [e for e in events_of(cluster) if e["kind"] == "hung"]
+    assert len(hung_events) == 1 and "first step" not in hung_events[0]["detail"], hung_events
 
 
 @pytest.mark.slow

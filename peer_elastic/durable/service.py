@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -66,21 +67,26 @@ class DurableSnapshots:
     """The durable snapshots of one peer's job (see :mod:`peer_elastic.durable`)."""
 
     def __init__(self, config: JobConfig, job: str, stats: PeerStats,
-                 client: EtcdClient | None = None) -> None:
+                 client: EtcdClient | None = None,
+                 hang_exempt: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self.directory = SnapshotDir(config.snapshot_dir, job)
         # A run record from before these settings existed reads 0: the defaults then.
         every = config.snapshot_every_s if config.snapshot_every_s > 0 else DEFAULT_EVERY_S
         keep = config.snapshot_keep if config.snapshot_keep > 0 else DEFAULT_KEEP
+        # hang_exempt: the staging copy on the training thread is not a hang (liveness)
         self.writer = SnapshotWriter(self.directory, every, keep,
-                                     listener=_Listener(client, job, stats))
+                                     listener=_Listener(client, job, stats),
+                                     hang_exempt=hang_exempt)
 
     @classmethod
     def for_job(cls, config: JobConfig | None, job: str, stats: PeerStats,
-                client: EtcdClient | None = None) -> DurableSnapshots | None:
+                client: EtcdClient | None = None,
+                hang_exempt: Callable[[], AbstractContextManager[None]] | None = None,
+                ) -> DurableSnapshots | None:
         """None when the job has no ``snapshot_dir``."""
         if config is None or not config.snapshot_dir:
             return None
-        return cls(config, job, stats, client)
+        return cls(config, job, stats, client, hang_exempt)
 
     def after_commit(self, state: Any, info: SnapshotInfo, force: bool = False) -> bool:
         """On rank 0, right after a commit: start a snapshot if one is due."""

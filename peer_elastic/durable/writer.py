@@ -18,17 +18,25 @@ runs with ``no_dist=True`` and writes one file; resuming needs no collective eit
 the ordinary state sync.
 
 A failed write (disk full, permissions) is logged and counted; training goes on and nothing
-in memory is touched.
+in memory is touched. So is a failed staging copy (host memory exhausted, a device error):
+that snapshot is skipped, its staging buffers are released, and the next due commit tries
+again.
+
+The staging copy runs on the training thread inside ``hang_exempt`` (the hang detector's
+:meth:`~peer_elastic.liveness.TrainingLiveness.exempt`): copying a large state may take
+longer than ``hang_timeout_s`` and is not a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,18 +125,25 @@ class Staging:
             torch.cuda.synchronize()
         return store
 
+    def release(self) -> None:
+        """Drop every buffer (after a failed capture: memory back, the next one allocates)."""
+        self._store = {}
+
 
 class SnapshotWriter:
     """Writes a snapshot of the state at due commits (``offer``), on a thread of its own."""
 
     def __init__(self, directory: SnapshotDir, every_s: float, keep: int,
                  listener: SnapshotListener | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hang_exempt: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self.directory = directory
         self.every_s = every_s
         self.keep = keep
         self._listener = listener
         self._clock = clock
+        # Marks the staging copy as no hang of the training thread (peer_elastic.liveness).
+        self._hang_exempt = hang_exempt or contextlib.nullcontext
         self._last = clock()  # the first snapshot is due every_s after the writer exists
         self._staging = Staging()
         self._cv = threading.Condition()
@@ -164,16 +179,11 @@ class SnapshotWriter:
             if count_skip and self._listener is not None:
                 self._listener.skipped()
             return False
-        try:
-            tensors, plain = state.durable_state()
-            payload = encode_values(plain, where="snapshot")
-        except (NotImplementedError, TypeError) as exc:
-            # A user handler without durable support, or a value the codec cannot write:
-            # say so once and stay off rather than failing every commit.
-            log.error("durable snapshots are off: %s", exc)
-            self._unsupported = True
+        with self._hang_exempt():
+            staging = self._stage(state)
+        if staging is None:
             return False
-        staged = self._staging.capture(tensors)
+        staged, plain, payload = staging
         sid = info.snapshot_id(int(state.commit_count))
         epoch = plain.get("values", {}).get("epoch")
         manifest = Manifest(sid, self.directory.job, info.run_id, info.generation,
@@ -188,6 +198,39 @@ class SnapshotWriter:
                 self._thread = threads.start(self._loop, "snapshot-writer")
             self._cv.notify_all()
         return True
+
+    def _stage(self, state: Snapshottable
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any], bytes] | None:
+        """Copy the state into the staging buffers (tensors) and encode its plain values;
+        None when this snapshot cannot be taken (and then it was said why)."""
+        try:
+            tensors, plain = state.durable_state()
+            payload = encode_values(plain, where="snapshot")
+        except (NotImplementedError, TypeError) as exc:
+            # A user handler without durable support, or a value the codec cannot write:
+            # say so once and stay off rather than failing every commit.
+            log.error("durable snapshots are off: %s", exc)
+            self._unsupported = True
+            return None
+        except Exception as exc:  # noqa: BLE001 - whatever the state raised: this one only
+            self._staging_failed(exc)
+            return None
+        try:
+            return self._staging.capture(tensors), plain, payload
+        except Exception as exc:  # noqa: BLE001 - out of memory, a device error: any of it
+            self._staging_failed(exc)
+            return None
+
+    def _staging_failed(self, exc: Exception) -> None:
+        """Training goes on without this snapshot: the memory the copy took goes back, and
+        the next due commit tries again (a transient shortage passes), not every commit."""
+        self._staging.release()
+        self._last = self._clock()
+        log.warning("durable snapshot skipped: copying the state for it failed (%s: %s); "
+                    "training goes on, the next one is tried in %g s",
+                    type(exc).__name__, exc, self.every_s)
+        if self._listener is not None:
+            self._listener.failed(exc)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no write is in flight; False on timeout."""

@@ -31,7 +31,8 @@ from peer_elastic.records import (
 RUNTIME_SETTINGS = frozenset({
     "min_np", "max_np", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after",
     "blacklist_cooldown_s", "settle_s", "start_settle_s", "paused",
-    "hang_timeout_s",  # read from the watched run record at every look of the hang detector
+    # read from the watched run record at every look of the hang detector
+    "hang_timeout_s", "hang_first_step_s",
 })
 
 

@@ -53,7 +53,7 @@ DONE_CAUSE_RESET_LIMIT: DoneCause
 DONE_CAUSE_ELASTIC_TIMEOUT: DoneCause
 
 class JobConfig(_message.Message):
-    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s", "snapshot_dir", "snapshot_every_s", "snapshot_keep")
+    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s", "snapshot_dir", "snapshot_every_s", "snapshot_keep", "hang_first_step_s")
     MIN_NP_FIELD_NUMBER: _ClassVar[int]
     MAX_NP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class JobConfig(_message.Message):
     SNAPSHOT_DIR_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEEP_FIELD_NUMBER: _ClassVar[int]
+    HANG_FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
     min_np: int
     max_np: int
     lease_ttl_s: float
@@ -86,7 +87,8 @@ class JobConfig(_message.Message):
     snapshot_dir: str
     snapshot_every_s: float
     snapshot_keep: int
-    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ..., snapshot_dir: _Optional[str] = ..., snapshot_every_s: _Optional[float] = ..., snapshot_keep: _Optional[int] = ...) -> None: ...
+    hang_first_step_s: float
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ..., snapshot_dir: _Optional[str] = ..., snapshot_every_s: _Optional[float] = ..., snapshot_keep: _Optional[int] = ..., hang_first_step_s: _Optional[float] = ...) -> None: ...
 
 class RunRecord(_message.Message):
     __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by", "overridden")

@@ -45,6 +45,15 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   test that gives up waiting for the peer sends it).
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
+* ``WORKER_FIRST_STEP_S=<seconds>``: each time the training function is entered, it spends
+  that long before its first batch (compilation, a data loader's warm-up); prints ``WARMUP
+  <generation> <seconds>`` first.
+* ``WORKER_EXEMPT_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch saves a checkpoint of
+  its own that takes that much longer, inside ``peer.hang_exempt()``; prints ``EXEMPT <epoch>
+  <batch> <seconds>``.
+* ``WORKER_STAGING=<plan>``: the first durable snapshots' staging copies (rank 0) go by the
+  comma-separated plan, one entry per copy, then normally: ``memory`` raises MemoryError,
+  ``oom`` raises torch's out-of-memory error, ``sleep:<seconds>`` takes that much longer.
 * ``WORKER_LOADER_WORKERS=n``: each time the training function is entered it starts a
   ``DataLoader`` with ``n`` worker processes (forked then, mid-run, holding a copy of every
   descriptor, as a training loop's workers do) and takes its first item; the workers stay
@@ -148,6 +157,9 @@ HANG_AT = os.environ.get("WORKER_HANG_AT")
 HANG_FLAG = os.environ.get("WORKER_HANG_FLAG")
 HANG_FILE = os.environ.get("WORKER_HANG_FILE")
 SLOW_AT = os.environ.get("WORKER_SLOW_AT")
+FIRST_STEP_S = float(os.environ.get("WORKER_FIRST_STEP_S", "0"))
+EXEMPT_AT = os.environ.get("WORKER_EXEMPT_AT")
+STAGING_PLAN = [p for p in os.environ.get("WORKER_STAGING", "").split(",") if p]
 
 
 def _at(spec: str | None, epoch: int, batch: int, rank: int, fields: int) -> list[str] | None:
@@ -243,6 +255,36 @@ def maybe_stall(epoch: int, batch: int, rank: int, generation: int) -> None:
     if slow is not None:
         say("SLOW", epoch, batch, slow[0])
         time.sleep(float(slow[0]))  # a long step (evaluation, a slow batch)
+
+
+def maybe_exempt_work(peer: pe.Peer, epoch: int, batch: int, rank: int) -> None:
+    """WORKER_EXEMPT_AT: a long checkpoint of the user's own, marked as no hang."""
+    long = _at(EXEMPT_AT, epoch, batch, rank, 1)
+    if long is not None:
+        say("EXEMPT", epoch, batch, long[0])
+        with peer.hang_exempt():
+            time.sleep(float(long[0]))
+
+
+def plan_staging() -> None:
+    """WORKER_STAGING: the durable snapshots' staging copies go by the plan, then normally."""
+    from peer_elastic.durable.writer import Staging
+
+    capture, plan = Staging.capture, list(STAGING_PLAN)
+
+    def planned(self: Staging, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        step = plan.pop(0) if plan else ""
+        if step:
+            say("STAGING", step)
+        if step == "memory":
+            raise MemoryError("test: no memory for the staging copy")
+        if step == "oom":
+            raise torch.OutOfMemoryError("test: CUDA out of memory (the staging copy)")
+        if step.startswith("sleep:"):
+            time.sleep(float(step.split(":", 1)[1]))
+        return capture(self, tensors)
+
+    Staging.capture = planned  # type: ignore[method-assign]
 # ----------------------------------------------------------------------------------------------
 
 
@@ -310,6 +352,8 @@ def main() -> int:
 
 def _main(stall_stacks: StallStacks | None) -> int:
     torch.manual_seed(os.getpid())  # different initial weights: sync must fix that
+    if STAGING_PLAN:
+        plan_staging()
     with pe.join() as peer:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,
                                     record_all_ranks=RECORD != "local")
@@ -348,6 +392,9 @@ def _main(stall_stacks: StallStacks | None) -> int:
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
+            if FIRST_STEP_S:
+                say("WARMUP", peer.generation, FIRST_STEP_S)
+                time.sleep(FIRST_STEP_S)  # compiling, warming a data loader up
             if USE_DDP and DDP_SUBGROUP == "train":
                 rebuild_ddp()  # here, not in a reset callback: its connections open mid-run
             if FORKED_HELPER:
@@ -381,6 +428,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     if stall_stacks is not None:
                         stall_stacks.beat()
                     maybe_stall(state.epoch, b, peer.rank, peer.generation)
+                    maybe_exempt_work(peer, state.epoch, b, peer.rank)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
@@ -440,6 +488,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 "check_exchanges": peer.stats.check_exchanges,
                 "checks_spaced": peer.stats.checks_spaced,
                 "states_lost": peer.stats.states_lost,
+                "snapshots_written": peer.stats.snapshots_written,
+                "snapshots_failed": peer.stats.snapshots_failed,
             }
             if PLAIN:
                 result["steps"] = state.steps

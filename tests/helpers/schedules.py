@@ -87,6 +87,7 @@ from typing import Any, NoReturn
 
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.durable.layout import Manifest, SnapshotDir
+from peer_elastic.settings_table import HANG_FIRST_STEP
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.chaos import SETTINGS, Applied, ChaosFailure, ChaosRunner, Event, Tracked
 from tests.helpers.procs import ROOT
@@ -468,6 +469,9 @@ class ScheduleRunner(ChaosRunner):
         hd = hang_detection()
         if hd is not None:
             env[hd["env"]] = HANG_TIMEOUT_S
+            # The peer picked may hang before its first step since a reset: that, too, must
+            # be found within HANG_TIMEOUT_S (0: no longer allowance for the first step).
+            env[HANG_FIRST_STEP.env] = 0
         if plan.pattern.snapshots:  # the hosts of a multi-host run share the file system
             env["PEER_ELASTIC_SNAPSHOT_DIR"] = self.workdir / "snapshots"
             env["PEER_ELASTIC_SNAPSHOT_EVERY"] = SNAPSHOT_EVERY_S
