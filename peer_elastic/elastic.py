@@ -430,7 +430,12 @@ class Peer:
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
         self._report_lost_state(agreement.version, held=not resumed)
-        self._live = self._committed = agreement.version
+        self._live = agreement.version
+        if agreement.source is not None:
+            # The sync saved what every rank now holds as the restore point. A skipped sync
+            # saved nothing: the restore point is still the last commit, and its version must
+            # stay that commit's, or a restore would name the live state it no longer holds.
+            self._committed = agreement.version
         self._synced_once = True
         self._restored = False
 
