@@ -123,7 +123,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 @requires_entry_point
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
                                                      tmp_path: Path) -> None:
     """Three agents; SIGKILL the oldest (group rank 0) with its worker mid-run; the two others
@@ -169,7 +169,7 @@ def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_sigterm_of_an_agent_leaves_at_once_and_the_other_goes_on(etcd: str, unique_job: str,
                                                                   tmp_path: Path) -> None:
     """Two agents (``--nnodes=1:2``); SIGTERM to the group-rank-0 agent (whose worker hosts
@@ -212,7 +212,7 @@ def test_sigterm_of_an_agent_leaves_at_once_and_the_other_goes_on(etcd: str, uni
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_new_agent_joins_a_running_job(etcd: str, unique_job: str, tmp_path: Path) -> None:
     """One agent trains alone (``--nnodes=1:2``); a second agent starts mid-run. The running
     agent sees it waiting (``num_nodes_waiting``), restarts its worker, and the group grows
@@ -245,7 +245,7 @@ def test_a_new_agent_joins_a_running_job(etcd: str, unique_job: str, tmp_path: P
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_agents_beyond_max_nnodes_stand_by_step_in_and_exit_with_the_job(
         etcd: str, unique_job: str, tmp_path: Path) -> None:
     """Four agents, ``--nnodes=1:2``: two form the round, the other two wait as standbys
