@@ -127,6 +127,7 @@ _POLL_S = 0.2
 # outage delays the loop by at most this much per call (it answers from its last value).
 _MONITOR_READ_BUDGET_S = 1.0
 _MAX_LEASE_ID = 2**63 - 1
+# A round number read back: below this, so that the next round (one more) is valid too.
 _MAX_ROUND = 2**62
 
 T = TypeVar("T")
@@ -173,7 +174,7 @@ def parse_round(value: bytes) -> RoundRecord | None:
     if doc is None:
         return None
     number, members = _strict_int(doc.get("round")), doc.get("members")
-    if number is None or not 1 <= number <= _MAX_ROUND or not isinstance(members, list):
+    if number is None or not 1 <= number <= _MAX_ROUND + 1 or not isinstance(members, list):
         return None
     if not members or not all(isinstance(m, str) and m for m in members) \
             or len(set(members)) != len(members):
@@ -244,9 +245,11 @@ def possibly_training(member: str, state: RendezvousState, missing_since: Mappin
 
 
 def next_round_number(state: RendezvousState, highest_seen: int) -> int:
-    """One more than the highest round any waiting agent (or this one) saw: never backwards,
-    also after the job lease expired and took ``round`` with it."""
-    return max(state.round.number, highest_seen, *state.waiting.values(), 0) + 1
+    """One more than the highest round any live waiting agent (or this one) saw: never
+    backwards, also after the job lease expired and took ``round`` with it. (A ``waiting/``
+    key without its agent's key is a leftover, not an agent: it does not count.)"""
+    seen = [after for agent, after in state.waiting.items() if agent in state.agents]
+    return min(max(state.round.number, highest_seen, *seen, 0), _MAX_ROUND) + 1
 
 
 class PeerElasticRendezvousHandler(RendezvousHandler):
@@ -630,32 +633,36 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         if self._shut:
             return
         self._shut = True
-        try:
-            if self._watch is not None:
-                self._watch.stop()
-            if self._agent is not None:
-                lease = self._job_lease
-                if lease is not None:
-                    self._client.txn([], [
-                        Txn.put(self._k(f"left/{self.agent_id}"), b"", lease),
-                        Txn.delete(self._k(f"agents/{self.agent_id}")),
-                        Txn.delete(self._k(f"waiting/{self.agent_id}"))])
-                self._agent.close(revoke=True)
-            job_lease = self._job_lease
-            if job_lease is not None:
-                self._keeper.forget(job_lease)
-            self._keeper.stop()
-            if self._store is not None:
-                self._store.close()
-        except Exception as exc:  # at exit: never mask the agent's own outcome
-            log.warning("leaving rendezvous %s: %s", self._run_id, exc)
-        finally:
-            for client in {id(c): c for c in (self._client, self._monitor_client)}.values():
-                try:
-                    client.close()
-                except Exception as exc:
-                    log.warning("closing the etcd client of rendezvous %s: %s",
-                                self._run_id, exc)
+        agent, store = self._agent, self._store
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if self._watch is not None:
+            steps.append(("stop the watch", self._watch.stop))
+        if agent is not None:
+            steps += [("say it left", self._say_left),
+                      ("revoke its lease", lambda: agent.close(revoke=True))]
+        steps.append(("stop keeping the job lease", self._forget_job_lease))
+        steps.append(("stop the lease keeper", self._keeper.stop))
+        if store is not None:
+            steps.append(("close the store", store.close))
+        for client in {id(c): c for c in (self._client, self._monitor_client)}.values():
+            steps.append(("close an etcd client", client.close))
+        for what, step in steps:  # each on its own: one failure must not skip the rest
+            try:
+                step()
+            except Exception as exc:  # at exit: never mask the agent's own outcome
+                log.warning("leaving rendezvous %s: %s: %s", self._run_id, what, exc)
+
+    def _say_left(self) -> None:
+        lease = self._job_lease
+        if lease is None:
+            return
+        self._client.txn([], [Txn.put(self._k(f"left/{self.agent_id}"), b"", lease),
+                              Txn.delete(self._k(f"agents/{self.agent_id}")),
+                              Txn.delete(self._k(f"waiting/{self.agent_id}"))])
+
+    def _forget_job_lease(self) -> None:
+        if self._job_lease is not None:
+            self._keeper.forget(self._job_lease)
 
     def shutdown(self) -> bool:
         """At agent exit. When the job finished (torch's exit barrier passed in this round),

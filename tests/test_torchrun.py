@@ -660,6 +660,8 @@ def test_records_are_parsed_strictly() -> None:
                  b'{"round": 2, "members": ["a", "a"]}', b'{"round": 2, "members": [1]}',
                  b'{"round": 2.5, "members": ["a"]}', b"\x80\x04K\x01."):  # the last: a pickle
         assert parse_round(junk) is None, junk
+    assert parse_round(RoundRecord(2**62 + 1, ("x",)).encode()) is not None
+    assert parse_round(RoundRecord(2**62 + 2, ("x",)).encode()) is None
     assert parse_waiting(b'{"after": 4}') == 4
     for junk in (b"", b'{"after": -1}', b'{"after": "4"}', b"4", b'{"after": null}'):
         assert parse_waiting(junk) is None, junk
@@ -680,6 +682,7 @@ def test_malformed_round_and_lease_values_are_ignored(etcd: str, unique_job: str
         client.put(prefix + "lease", b"not-a-lease")
         client.put(prefix + "round", b"\x80\x04K\x01.")  # a pickle: never unpickled
         client.put(prefix + "waiting/ghost", b"{oops")
+        client.put(prefix + "waiting/ghost2", b'{"after": 4611686018427387904}')  # no agent
     handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2,
                                                      last_call_timeout=0.5)) for _ in range(2)]
     infos: dict[int, object] = {}
