@@ -370,8 +370,10 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             self._job_lease_lost(self._job_lease or 0, "lease not found")
             return fn(self._job_lease_id())
 
-    def _register(self) -> Session:
-        if self._agent is not None and not self._agent.lost.is_set():
+    def _register(self, renew: bool = False) -> Session:
+        """This agent's session and ``agents/`` key; a new one if the lease is lost or
+        ``renew`` (etcd refused the lease: it expired before the keeper could tell)."""
+        if self._agent is not None and not self._agent.lost.is_set() and not renew:
             return self._agent
         if self._agent is not None:
             self._agent.close(revoke=False)
@@ -387,6 +389,19 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                                       on_snapshot=lambda kvs, rev: wake(),
                                       on_events=lambda events, rev: wake())
             self._watch.start()
+        return agent
+
+    def _wait_in(self, waiting_key: str, waiting_value: bytes) -> Session:
+        """Register (if need be) and put this agent's ``waiting/`` key under its lease."""
+        agent = self._register()
+        try:
+            self._client.put(waiting_key, waiting_value, lease=agent.lease_id)
+        except LeaseNotFound:
+            # The lease expired while this agent was cut off (or frozen) and its keeper has
+            # not heard yet: register anew, as a new (youngest) agent.
+            log.warning("agent %s: its lease expired; registering again", self.agent_id)
+            agent = self._register(renew=True)
+            self._client.put(waiting_key, waiting_value, lease=agent.lease_id)
         return agent
 
     def _address(self) -> NetChoice:
@@ -517,13 +532,11 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         master_addr = self.master_addr()
-        agent = self._retry("register", self._register)
         first = self._retry("read the rendezvous", self._state)
         after = max(first.round.number, self._highest_round)
         waiting_key = self._k(f"waiting/{self.agent_id}")
         waiting_value = json.dumps({"after": after}).encode()
-        self._retry("wait for a round", self._client.put, waiting_key, waiting_value,
-                    agent.lease_id)
+        agent = self._retry("wait for a round", self._wait_in, waiting_key, waiting_value)
         deadline = time.monotonic() + self._join_timeout
         seen: tuple[str, ...] = ()
         changed_at = time.monotonic()
@@ -549,9 +562,8 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             if agent.lost.is_set() or self.agent_id not in state.waiting:
                 # Cut off longer than the lease (or the waiting key went with it): register
                 # again; the lease keeper says so only when etcd confirms the lease is gone.
-                agent = self._retry("register", self._register)
-                self._retry("wait for a round", self._client.put, waiting_key, waiting_value,
-                            agent.lease_id)
+                agent = self._retry("wait for a round", self._wait_in, waiting_key,
+                                    waiting_value)
                 continue
             agents = state.agents
             waiting = sorted((a for a in state.waiting if a in agents),

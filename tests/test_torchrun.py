@@ -332,6 +332,65 @@ def test_an_etcd_outage_of_15_s_does_not_restart_the_workers(fresh_etcd,
             fresh_etcd.start()
 
 
+@requires_entry_point
+@pytest.mark.timeout(360)
+def test_a_round_whose_agents_lost_their_leases_is_not_replaced_while_it_trains(
+        etcd: str, unique_job: str, tmp_path: Path) -> None:
+    """Four agents, ``--nnodes=2:2``: two train, two stand by. Both member agents are frozen
+    (SIGSTOP; their workers train on) and their leases revoked, as after a partition longer
+    than ``lease_ttl``: their keys are gone while their workers still train. The standbys
+    do not form a round beside them (``etcd_outage_s + lease_ttl`` = 11 s is not over). The
+    members come back (SIGCONT) before that, find their keys gone, stop their workers and
+    rendezvous again; the job then finishes and every agent exits 0.
+
+    A real network partition (netns) would cut the agents off instead of freezing them; the
+    rule is the same: what the standbys see is a member's key gone while it still trains."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    kw = {"nnodes": "2:2", "conf": "lease_ttl=3,last_call_timeout=2,etcd_outage_s=8"}
+    procs: list[subprocess.Popen] = []
+    stopped: list[int] = []
+    try:
+        for i in range(4):
+            procs.append(_agent(etcd, unique_job, out, 200, logs[i], **kw))  # type: ignore[arg-type]
+        _wait(lambda: _step(out) >= 10, 150, "the first round trains 10 steps", procs, logs)
+        members = {pid for _, pid, _ in _rounds(out)}
+        standbys = {p.pid for p in procs} - members
+        _wait(lambda: _agent_pids(etcd, unique_job, "waiting/") == standbys, 60,
+              "the two other agents wait as standbys", procs, logs)
+        prefix = run_prefix(unique_job) + "agents/"
+        with EtcdClient(etcd) as client:
+            kvs, _ = client.get_prefix(prefix)
+            leases = [kv.lease for kv in kvs if json.loads(kv.value)["pid"] in members]
+            assert len(leases) == 2
+            for pid in members:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            for lease in leases:
+                client.revoke(lease)
+        cut = time.monotonic()
+        step_at_cut = _step(out)
+        while time.monotonic() - cut < 6:  # well inside the 11 s the standbys must wait
+            assert _round(etcd, unique_job)["round"] == 1, "a round formed beside the one training"
+            assert len(_rounds(out)) == 2, _rounds(out)
+            time.sleep(0.1)
+        assert _step(out) > step_at_cut, "the frozen agents' workers train on"
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped.clear()
+        _wait(lambda: all(p.poll() is not None for p in procs), 240, "every agent exits",
+              procs, logs)
+        assert [p.returncode for p in procs] == [0, 0, 0, 0], _tails(logs)
+        assert (out / "done").read_text() == "2" and _step(out) == 200
+        back = [logs[i].read_text() for i, p in enumerate(procs) if p.pid in members]
+        assert all("its key is gone" in text for text in back), _tails(logs)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        _kill_all(procs)
+
+
 # --- in-process: the handler and the store, no torchrun -------------------------------------
 
 
