@@ -611,10 +611,14 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         in_round = current.members
         out = [m for m in in_round if possibly_training(m, state, self._missing_since,
                                                         self.silence_hold_s, now)]
-        if out:
-            broken = any(m in state.waiting for m in in_round)
-            if not (broken and quiet_s >= self._last_call):
-                return
+        broken = any(m in state.waiting for m in in_round)
+        if out and not broken:
+            return
+        # A member with its key may still come back: it gets the last call. One whose key
+        # is gone cannot come back into this round, and without the member that is back
+        # its workers cannot go on: it is not waited for (as before its key went).
+        if any(m in state.agents for m in out) and quiet_s < self._last_call:
+            return
         every_live_agent = set(state.agents) <= set(waiting)
         if not (n >= self._max or quiet_s >= self._last_call
                 or (current.number > 0 and every_live_agent and quiet_s >= self._settle)):
