@@ -16,21 +16,38 @@ Here all state lives in etcd; no agent is special.
 
 Keys (``P = /peer-elastic-torchrun/<run id>/``)::
 
-    P lease              the job lease id (attached to itself; every agent keeps it alive)
+    P lease              the job lease id, decimal (attached to itself; every agent keeps it alive)
     P agents/<agent>     one per live agent (agent lease): its age is its create revision
-    P waiting/<agent>    an agent inside next_rendezvous() (agent lease)
+    P waiting/<agent>    an agent inside next_rendezvous(): {"after": n} (agent lease)
+    P left/<agent>       an agent that left gracefully, its workers stopped (job lease)
     P round              {"round": n, "members": [...]}, oldest agent first (job lease; CAS)
-    P store/<n>/<key>    the torch Store of round n (job lease)
+    P store/<n>/<key>    the torch Store of round n (job lease; peer_elastic.torch.store)
     P closed             set_closed() (job lease)
+
+Every value read is parsed strictly (:func:`parse_round`, :func:`parse_waiting`,
+:func:`parse_lease_id`); a malformed one is logged once and treated as absent (a malformed
+``round`` is overwritten by the next round's compare-and-swap). Nothing is unpickled.
 
 The oldest *waiting* agent (smallest create revision of its ``agents/`` key) writes the next
 round when at least ``min_nodes`` wait and either ``max_nodes`` wait, every live agent waits
 (after ``settle``), or the set of waiting agents has been unchanged for ``last_call_timeout``;
-but never while every live member of the current round still trains in it (none has come
-back to wait): standbys and newcomers do not start a group beside a running one. A member
-that is not back ``last_call_timeout`` after another is (its key not yet expired) is left out. Ranks follow age, so the oldest agent is group rank 0.
-A dead agent's keys vanish with its lease (``lease_ttl``); an agent that exits (SIGTERM
-included) deletes them at once; nothing else depends on any one agent.
+but never while a member of the current round may still train in it and no member is back:
+standbys and newcomers do not start a group beside a running one. A member may still train
+while its agent key is there, and also for :meth:`PeerElasticRendezvousHandler.silence_hold_s`
+(``etcd_outage_s + lease_ttl``) after an agent first saw its key gone without a ``left/``
+marker: an agent cut off from etcd keeps its workers training for up to ``etcd_outage_s``
+(:func:`possibly_training`). Once one member is back (its workers failed, or it restarts them
+for newcomers), the round's group is broken, and a member not back ``last_call_timeout``
+later is left out. Ranks follow age, so the oldest agent is group rank 0. Round numbers never
+go backwards: the next round is one more than the highest any waiting agent saw, so agents
+whose job lease expired (all keys gone) recognise the new round at once.
+
+Outages: the agent's monitor loop calls ``num_nodes_waiting()`` every ``--monitor-interval``;
+while etcd does not answer it gives its last answer (logged once), so an outage shorter than
+``etcd_outage_s`` costs nothing. Past it, or once this agent's own key is gone (its lease
+expired while it was cut off), it answers 1, which makes torch stop the workers and
+rendezvous again. Every other call retries until etcd has not answered for
+``etcd_outage_s`` and then raises :class:`RendezvousConnectionError`.
 
 Agents beyond ``max_nodes`` stand by: they wait in ``waiting/`` without disturbing the
 running round (``num_nodes_waiting()`` is 0 at ``max_nodes``), take a place in the next round
@@ -44,8 +61,9 @@ interface each agent also hands to its workers' gloo (``GLOO_SOCKET_IFNAME``).
 
 ``--rdzv-conf`` keys: ``lease_ttl`` (5 s), ``last_call_timeout`` (2 s), ``settle`` (0.3 s),
 ``join_timeout`` (600 s), ``run_ttl`` (60 s: how long the job's keys outlive its last agent),
-``store_timeout`` (300 s). TLS and auth come from the ``PEER_ELASTIC_ETCD_*`` variables, as
-for every peer; without ``--rdzv-endpoint``, ``PEER_ELASTIC_ETCD`` names the endpoints.
+``store_timeout`` (300 s), ``etcd_outage_s`` (60 s). TLS and auth come from the
+``PEER_ELASTIC_ETCD_*`` variables, as for every peer; without ``--rdzv-endpoint``,
+``PEER_ELASTIC_ETCD`` names the endpoints.
 """
 
 from __future__ import annotations
@@ -60,8 +78,9 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 
 def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
@@ -79,9 +98,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     return create_handler(params)
 
 
-from torch.distributed import DistStoreError, Store  # noqa: E402 - after register (above)
-from torch.distributed.elastic.rendezvous import (  # noqa: E402
+from torch.distributed.elastic.rendezvous import (  # noqa: E402 - after register (above)
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -89,11 +108,12 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousTimeoutError,
 )
 
-from peer_elastic.errors import EtcdError, LeaseNotFound  # noqa: E402
+from peer_elastic.errors import EtcdError, EtcdUnavailable, LeaseNotFound  # noqa: E402
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn, client_from_env  # noqa: E402
 from peer_elastic.etcd.lease import LeaseKeeper, Session  # noqa: E402
 from peer_elastic.etcd.watch import PrefixWatch  # noqa: E402
 from peer_elastic.netaddr import NetChoice, select_address  # noqa: E402
+from peer_elastic.torch.store import EtcdStore  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -103,91 +123,133 @@ ROOT = "/peer-elastic-torchrun/"
 # last-member key in a round's store means the job finished there.
 _EXIT_BARRIER_DONE = "torchelastic/agent/terminal_state/last_member"
 _POLL_S = 0.2
+# num_nodes_waiting() runs in torch's monitor loop: its reads give up this soon, so an etcd
+# outage delays the loop by at most this much per call (it answers from its last value).
+_MONITOR_READ_BUDGET_S = 1.0
+_MAX_LEASE_ID = 2**63 - 1
+# A round number read back: below this, so that the next round (one more) is valid too.
+_MAX_ROUND = 2**62
+
+T = TypeVar("T")
 
 
 def run_prefix(run_id: str) -> str:
     return f"{ROOT}{urllib.parse.quote(run_id, safe='')}/"
 
 
-class EtcdV3Store(Store):
-    """A torch ``Store`` on etcd v3 keys under ``prefix`` (what the agents of one round share).
+# -- records: strict parsing of everything read from etcd ------------------------------------------
 
-    Blocking ``get``/``wait`` poll with a short interval; counters (``add``) are decimal text,
-    as in TCPStore. Keys are attached to ``lease`` (the job lease) so they do not outlive the job.
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """``P round``: round ``number`` (1, 2, ...) and its members, oldest agent (rank 0) first."""
+
+    number: int
+    members: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.number, "members": list(self.members)}).encode()
+
+
+NO_ROUND = RoundRecord(0, ())
+
+
+def _strict_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _json_object(value: bytes) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def parse_round(value: bytes) -> RoundRecord | None:
+    """The round a ``round`` value holds, or None if it is not a valid one: a JSON object with
+    ``round`` a positive integer and ``members`` a non-empty list of distinct non-empty
+    strings. (A plain JSON parse of a torn or foreign value would raise inside the agent.)"""
+    doc = _json_object(value)
+    if doc is None:
+        return None
+    number, members = _strict_int(doc.get("round")), doc.get("members")
+    if number is None or not 1 <= number <= _MAX_ROUND + 1 or not isinstance(members, list):
+        return None
+    if not members or not all(isinstance(m, str) and m for m in members) \
+            or len(set(members)) != len(members):
+        return None
+    return RoundRecord(number, tuple(members))
+
+
+def parse_waiting(value: bytes) -> int | None:
+    """The round a ``waiting/`` key says its agent saw last (``{"after": n}``), or None."""
+    doc = _json_object(value)
+    after = _strict_int(doc.get("after")) if doc is not None else None
+    return after if after is not None and 0 <= after <= _MAX_ROUND else None
+
+
+def parse_lease_id(value: bytes) -> int | None:
+    """The job lease id of a ``lease`` value (positive decimal ASCII), or None."""
+    text = value.decode("ascii", "replace")
+    if not text.isdigit() or not text.isascii() or len(text) > 19:
+        return None
+    lease_id = int(text)
+    return lease_id if 0 < lease_id <= _MAX_LEASE_ID else None
+
+
+class _MalformedLog:
+    """Logs each malformed value once (per key and revision), not once per poll."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def note(self, kv: KeyValue, what: str) -> None:
+        mark = (kv.key, kv.mod_revision)
+        if mark in self._seen:
+            return
+        self._seen.add(mark)
+        log.warning("ignoring a malformed %s in etcd at %s (revision %d): %r; treated as "
+                    "absent", what, kv.key, kv.mod_revision, kv.value[:80])
+
+
+@dataclass
+class RendezvousState:
+    """One consistent read of the rendezvous' keys, every value validated."""
+
+    agents: dict[str, KeyValue] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)  # agent -> the round it saw last
+    left: set[str] = field(default_factory=set)
+    round_kv: KeyValue | None = None  # the raw key, also when malformed: the CAS guards on it
+    round: RoundRecord = NO_ROUND
+    closed: bool = False
+
+
+def possibly_training(member: str, state: RendezvousState, missing_since: Mapping[str, float],
+                      hold_s: float, now: float) -> bool:
+    """Whether a member of the current round may still have workers training in it.
+
+    Yes while its agent key is there and it does not wait. Yes also while its key is gone
+    without a ``left/`` marker (it did not leave: its lease expired) until ``hold_s`` after
+    this agent first saw it gone: an agent cut off from etcd keeps its workers training until
+    it has not reached etcd for ``etcd_outage_s``, and its last contact was before its lease
+    expired, which was before anyone saw its key gone. (``missing_since`` is this agent's own
+    observation, never earlier than its own start: a late observer only waits longer.)
     """
+    if member in state.waiting or member in state.left:
+        return False
+    if member in state.agents:
+        return True
+    since = missing_since.get(member)
+    return since is None or now - since < hold_s
 
-    def __init__(self, client: EtcdClient, prefix: str, lease: Callable[[], int | None],
-                 timeout_s: float = 300.0) -> None:
-        super().__init__()
-        self._client = client
-        self._prefix = prefix
-        self._lease = lease
-        self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
-    def _key(self, key: str) -> str:
-        return self._prefix + key
-
-    @staticmethod
-    def _bytes(value: Any) -> bytes:
-        if isinstance(value, bytes | bytearray):
-            return bytes(value)
-        if isinstance(value, str):
-            return value.encode()
-        return bytes(value)
-
-    def set(self, key: str, value: Any) -> None:
-        self._client.put(self._key(key), self._bytes(value), lease=self._lease())
-
-    def _wait_get(self, keys: list[str], timeout: datetime.timedelta | None) -> list[bytes]:
-        limit = (timeout or self.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        delay = 0.01
-        while True:
-            values = [self._client.get(self._key(k)) for k in keys]
-            if all(v is not None for v in values):
-                return [v.value for v in values if v is not None]
-            if time.monotonic() >= deadline:
-                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
-                raise DistStoreError(
-                    f"timed out after {limit:.0f} s waiting for store keys {missing} "
-                    f"under {self._prefix}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-    def get(self, key: str) -> bytes:
-        return self._wait_get([key], None)[0]
-
-    def wait(self, keys: list[str], override_timeout: datetime.timedelta | None = None) -> None:
-        self._wait_get(list(keys), override_timeout)
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self._client.get(self._key(k)) is not None for k in keys)
-
-    def add(self, key: str, num: int) -> int:
-        full = self._key(key)
-        while True:
-            kv = self._client.get(full)
-            value = (int(kv.value) if kv is not None else 0) + int(num)
-            if self._client.compare_and_put(full, str(value).encode(),
-                                            kv.mod_revision if kv is not None else 0,
-                                            lease=self._lease()):
-                return value
-
-    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        full = self._key(key)
-        expected, desired = self._bytes(expected_value), self._bytes(desired_value)
-        guard = (Txn.version(full) == 0) if not expected else (Txn.value(full) == expected)
-        ok, resp = self._client.txn([guard], [Txn.put(full, desired, self._lease())],
-                                    [Txn.get(full)])
-        if ok:
-            return desired
-        return resp[0][0].value if resp and resp[0] else expected
-
-    def delete_key(self, key: str) -> bool:
-        return self._client.delete(self._key(key)) > 0
-
-    def num_keys(self) -> int:
-        return len(self._client.get_prefix(self._prefix)[0])
+def next_round_number(state: RendezvousState, highest_seen: int) -> int:
+    """One more than the highest round any live waiting agent (or this one) saw: never
+    backwards, also after the job lease expired and took ``round`` with it. (A ``waiting/``
+    key without its agent's key is a leftover, not an agent: it does not count.)"""
+    seen = [after for agent, after in state.waiting.items() if agent in state.agents]
+    return min(max(state.round.number, highest_seen, *seen, 0), _MAX_ROUND) + 1
 
 
 class PeerElasticRendezvousHandler(RendezvousHandler):
@@ -204,7 +266,14 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         self._join_timeout = float(params.get("join_timeout", 600.0))
         self._run_ttl = float(params.get("run_ttl", 60.0))
         self._store_timeout = float(params.get("store_timeout", 300.0))
-        self._client = client or client_from_env(params.endpoint or None)
+        self._etcd_outage = float(params.get("etcd_outage_s", 60.0))
+        budget = max(1.0, min(15.0, self._etcd_outage))
+        self._client = client or client_from_env(params.endpoint or None,
+                                                 retry_budget_s=budget)
+        # The monitor loop's reads (num_nodes_waiting) give up fast and answer from the last
+        # value instead; a client of their own, so they never wait out the main budget.
+        self._monitor_client = client or client_from_env(
+            params.endpoint or None, retry_budget_s=_MONITOR_READ_BUDGET_S)
         self._prefix = run_prefix(self._run_id)
         host = socket.gethostname().split(".")[0] or "host"
         self.agent_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -215,10 +284,52 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         self._wake = threading.Event()
         self._watch: PrefixWatch | None = None
         self._round = 0
-        self._store: EtcdV3Store | None = None
+        self._highest_round = 0  # the highest round number this agent saw: never backwards
+        self._last_round = NO_ROUND  # the newest valid round seen (if `round` vanishes)
+        self._missing_since: dict[str, float] = {}  # round member -> first seen without key
+        self._malformed = _MalformedLog()
+        self._store: EtcdStore | None = None
         self._net: NetChoice | None = None
+        # num_nodes_waiting's memory across an outage.
+        self._last_waiting = 0
+        self._last_contact = time.monotonic()
+        self._outage_logged = False
         self._shut = False
         atexit.register(self._leave)
+
+    @property
+    def silence_hold_s(self) -> float:
+        """How long after a round member's key was first seen gone (without a graceful
+        leave) it may still train: its agent stops the workers once it has not reached etcd
+        for ``etcd_outage_s``; ``lease_ttl`` more covers the monitor interval and the
+        workers' stop."""
+        return self._etcd_outage + self._lease_ttl
+
+    # -- etcd calls through an outage -------------------------------------------------------------
+
+    def _retry(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, retried while etcd does not answer, until it has not answered for
+        ``etcd_outage_s``; then a RendezvousConnectionError that says so."""
+        started: float | None = None
+        logged = False
+        while True:
+            try:
+                return fn(*args)
+            except EtcdUnavailable as exc:
+                now = time.monotonic()
+                if started is None:  # the failed call already spent the client's budget
+                    started = now - self._client.retry_budget_s
+                if now - started >= self._etcd_outage:
+                    raise RendezvousConnectionError(
+                        f"rendezvous {self._run_id!r}: etcd ({self._client.describe()}) did "
+                        f"not answer for {now - started:.0f} s while this agent tried to "
+                        f"{what} (the rdzv-conf etcd_outage_s is {self._etcd_outage:.0f} s); "
+                        f"last error: {exc}") from exc
+                if not logged:
+                    log.warning("agent %s: etcd does not answer (%s); retrying for up to "
+                                "%.0f s", self.agent_id, exc, self._etcd_outage)
+                    logged = True
+                time.sleep(0.5)
 
     # -- keys and leases ------------------------------------------------------------------------
 
@@ -232,12 +343,14 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                 return self._job_lease
             for _ in range(10):
                 kv = self._client.get(self._k("lease"))
-                if kv is not None:  # attached to itself: present means alive
-                    lease_id = int(kv.value)
-                else:
+                lease_id = parse_lease_id(kv.value) if kv is not None else None
+                if kv is not None and lease_id is None:
+                    self._malformed.note(kv, "job lease id")
+                if lease_id is None:  # absent or malformed: put a fresh one in its place
                     lease_id = self._client.grant(self._run_ttl)
-                    if not self._client.compare_and_put(self._k("lease"), str(lease_id).encode(),
-                                                        0, lease=lease_id):
+                    if not self._client.compare_and_put(
+                            self._k("lease"), str(lease_id).encode(),
+                            kv.mod_revision if kv is not None else 0, lease=lease_id):
                         self._client.revoke(lease_id)
                         continue
                 self._keeper.keep(lease_id, self._run_ttl, self._job_lease_lost)
@@ -250,15 +363,17 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             if self._job_lease == lease_id:
                 self._job_lease = None
 
-    def _with_job_lease(self, fn: Callable[[int | None], Any]) -> Any:
+    def _with_job_lease(self, fn: Callable[[int | None], T]) -> T:
         try:
             return fn(self._job_lease_id())
         except LeaseNotFound:
             self._job_lease_lost(self._job_lease or 0, "lease not found")
             return fn(self._job_lease_id())
 
-    def _register(self) -> Session:
-        if self._agent is not None and not self._agent.lost.is_set():
+    def _register(self, renew: bool = False) -> Session:
+        """This agent's session and ``agents/`` key; a new one if the lease is lost or
+        ``renew`` (etcd refused the lease: it expired before the keeper could tell)."""
+        if self._agent is not None and not self._agent.lost.is_set() and not renew:
             return self._agent
         if self._agent is not None:
             self._agent.close(revoke=False)
@@ -274,6 +389,19 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                                       on_snapshot=lambda kvs, rev: wake(),
                                       on_events=lambda events, rev: wake())
             self._watch.start()
+        return agent
+
+    def _wait_in(self, waiting_key: str, waiting_value: bytes) -> Session:
+        """Register (if need be) and put this agent's ``waiting/`` key under its lease."""
+        agent = self._register()
+        try:
+            self._client.put(waiting_key, waiting_value, lease=agent.lease_id)
+        except LeaseNotFound:
+            # The lease expired while this agent was cut off (or frozen) and its keeper has
+            # not heard yet: register anew, as a new (youngest) agent.
+            log.warning("agent %s: its lease expired; registering again", self.agent_id)
+            agent = self._register(renew=True)
+            self._client.put(waiting_key, waiting_value, lease=agent.lease_id)
         return agent
 
     def _address(self) -> NetChoice:
@@ -298,25 +426,46 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
 
     # -- reading the state ------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        kvs, _ = self._client.get_prefix(self._prefix)
-        agents: dict[str, KeyValue] = {}
-        waiting: dict[str, KeyValue] = {}
-        rnd: KeyValue | None = None
-        closed = False
+    def _state(self, client: EtcdClient | None = None) -> RendezvousState:
+        kvs, _ = (client or self._client).get_prefix(self._prefix)
+        state = RendezvousState()
         for kv in kvs:
             name = kv.key[len(self._prefix):]
             if name.startswith("agents/"):
-                agents[name[len("agents/"):]] = kv
+                state.agents[name[len("agents/"):]] = kv
             elif name.startswith("waiting/"):
-                waiting[name[len("waiting/"):]] = kv
+                after = parse_waiting(kv.value)
+                if after is None:
+                    self._malformed.note(kv, "waiting record")
+                    after = 0
+                state.waiting[name[len("waiting/"):]] = after
+            elif name.startswith("left/"):
+                state.left.add(name[len("left/"):])
             elif name == "round":
-                rnd = kv
+                state.round_kv = kv
+                record = parse_round(kv.value)
+                if record is None:
+                    self._malformed.note(kv, "round record")
+                else:
+                    state.round = record
             elif name == "closed":
-                closed = True
-        round_doc = json.loads(rnd.value) if rnd is not None else {"round": 0, "members": []}
-        return {"agents": agents, "waiting": waiting, "round_kv": rnd, "round": round_doc,
-                "closed": closed}
+                state.closed = True
+        if state.round.number > self._highest_round:
+            self._highest_round = state.round.number
+        if state.round.number >= self._last_round.number and state.round is not NO_ROUND:
+            self._last_round = state.round
+        return state
+
+    def _note_missing(self, state: RendezvousState, now: float) -> None:
+        """When this agent first saw each member of the latest round without its key."""
+        members = (state.round if state.round is not NO_ROUND else self._last_round).members
+        for m in members:
+            if m in state.agents:
+                self._missing_since.pop(m, None)
+            else:
+                self._missing_since.setdefault(m, now)
+        for m in [m for m in self._missing_since if m not in members]:
+            del self._missing_since[m]
 
     # -- RendezvousHandler ----------------------------------------------------------------------
 
@@ -331,134 +480,205 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def is_closed(self) -> bool:
-        return self._client.get(self._k("closed")) is not None
+        return self._retry("read whether the rendezvous is closed",
+                           lambda: self._client.get(self._k("closed")) is not None)
 
     def set_closed(self) -> None:
-        self._with_job_lease(lambda lease: self._client.put(self._k("closed"), b"1", lease=lease))
+        self._retry("close the rendezvous", lambda: self._with_job_lease(
+            lambda lease: self._client.put(self._k("closed"), b"1", lease=lease)))
 
     def num_nodes_waiting(self) -> int:
-        state = self._state()
-        members = state["round"]["members"]
+        """Agents waiting to join the running round (0 at ``max_nodes``): torch's monitor
+        loop restarts the workers when positive. Never raises on an etcd outage: it answers
+        its last answer until etcd has not answered for ``etcd_outage_s``, then 1, so that
+        torch stops the workers (an agent cut off from etcd must not train on: others may
+        replace its round). Also 1 once this agent's own key is gone (its lease expired):
+        the others no longer count it, so it stops its workers and rendezvous again."""
+        now = time.monotonic()
+        try:
+            state = self._state(self._monitor_client)
+        except EtcdUnavailable as exc:
+            silent_s = now - self._last_contact
+            if silent_s >= self._etcd_outage:
+                log.error("agent %s: etcd has not answered for %.0f s (etcd_outage_s %.0f s): "
+                          "stopping the workers, since the other agents may replace this "
+                          "round; last error: %s", self.agent_id, silent_s,
+                          self._etcd_outage, exc)
+                return 1
+            if not self._outage_logged:
+                self._outage_logged = True
+                log.warning("agent %s: etcd does not answer (%s); the workers train on, for "
+                            "up to %.0f s without etcd", self.agent_id, exc, self._etcd_outage)
+            return self._last_waiting
+        self._last_contact = now
+        if self._outage_logged:
+            self._outage_logged = False
+            log.warning("agent %s: etcd answers again", self.agent_id)
+        if self._round and self.agent_id not in state.agents:
+            log.warning("agent %s: its key is gone (its lease expired while it was cut off "
+                        "from etcd): stopping the workers of round %d to rendezvous again",
+                        self.agent_id, self._round)
+            return 1
+        members = (state.round if state.round is not NO_ROUND else self._last_round).members
         if len(members) >= self._max:
-            return 0
-        return sum(1 for a in state["waiting"] if a != self.agent_id and a not in members)
+            answer = 0
+        else:
+            answer = sum(1 for a in state.waiting
+                         if a != self.agent_id and a not in members and a in state.agents)
+        self._last_waiting = answer
+        return answer
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         master_addr = self.master_addr()
-        agent = self._register()
-        after = self._state()["round"]["round"]
+        first = self._retry("read the rendezvous", self._state)
+        after = max(first.round.number, self._highest_round)
         waiting_key = self._k(f"waiting/{self.agent_id}")
-        self._client.put(waiting_key, json.dumps({"after": after}).encode(), lease=agent.lease_id)
+        waiting_value = json.dumps({"after": after}).encode()
+        agent = self._retry("wait for a round", self._wait_in, waiting_key, waiting_value)
         deadline = time.monotonic() + self._join_timeout
         seen: tuple[str, ...] = ()
         changed_at = time.monotonic()
         log.info("agent %s waits for a round after %d", self.agent_id, after)
         while True:
             self._wake.clear()
-            state = self._state()
-            doc = state["round"]
-            if doc["round"] > after and self.agent_id in doc["members"]:
+            state = self._retry("read the rendezvous", self._state)
+            now = time.monotonic()
+            self._note_missing(state, now)
+            record = state.round
+            if record.number > after and self.agent_id in record.members:
                 break
-            if state["closed"]:
+            if state.closed:
                 # Only a finished job closes the rendezvous (shutdown): a standby, or an
                 # agent waiting to rejoin, has nothing left to do. torch's own way to say so,
                 # RendezvousGracefulExitError, makes torch 2.13's launcher fail on it
                 # ('NoneType' object has no attribute 'is_failed', exit 1); SystemExit(0)
                 # goes through the agent's and the launcher's cleanup and exits 0.
-                self._client.delete(waiting_key)
+                self._retry("leave the rendezvous", self._client.delete, waiting_key)
                 log.warning("agent %s: the job %r finished while this agent waited for a "
                             "round; exiting", self.agent_id, self._run_id)
                 raise SystemExit(0)
-            if agent.lost.is_set():  # cut off longer than the lease: register again
-                agent = self._register()
-                self._client.put(waiting_key, json.dumps({"after": after}).encode(),
-                                 lease=agent.lease_id)
+            if agent.lost.is_set() or self.agent_id not in state.waiting:
+                # Cut off longer than the lease (or the waiting key went with it): register
+                # again; the lease keeper says so only when etcd confirms the lease is gone.
+                agent = self._retry("wait for a round", self._wait_in, waiting_key,
+                                    waiting_value)
                 continue
-            agents = state["agents"]
-            waiting = sorted((a for a in state["waiting"] if a in agents),
+            agents = state.agents
+            waiting = sorted((a for a in state.waiting if a in agents),
                              key=lambda a: agents[a].create_revision)
-            now = time.monotonic()
             if tuple(waiting) != seen:
                 seen, changed_at = tuple(waiting), now
             if waiting and waiting[0] == self.agent_id:
-                self._maybe_form(state, waiting, now - changed_at)
+                self._retry("write the next round", self._maybe_form, state, waiting,
+                            now - changed_at, now)
             if now > deadline:
-                self._client.delete(waiting_key)
+                self._retry("leave the rendezvous", self._client.delete, waiting_key)
                 raise RendezvousTimeoutError(
                     f"no rendezvous round of {self._min}..{self._max} agents in "
                     f"{self._join_timeout:.0f} s (run {self._run_id!r})")
             self._wake.wait(_POLL_S)
-        members = doc["members"]
-        self._round = doc["round"]
+        members = record.members
+        self._round = record.number
         rank, world = members.index(self.agent_id), len(members)
         log.info("agent %s: round %d, rank %d of %d", self.agent_id, self._round, rank, world)
-        self._store = EtcdV3Store(self._client, self._k(f"store/{self._round}/"),
-                                  self._job_lease_id, self._store_timeout)
+        if self._store is not None:
+            self._store.close()  # the previous round's: torch no longer uses it
+        lease = self._retry("read the job lease", self._job_lease_id)
+        self._store = EtcdStore(self._client, self._k(f"store/{self._round}/"), lease,
+                                datetime.timedelta(seconds=self._store_timeout))
         bootstrap = RendezvousStoreInfo.build(rank, self._store, master_addr)
         return RendezvousInfo(self._store, rank, world, bootstrap)
 
-    def _maybe_form(self, state: dict[str, Any], waiting: list[str], quiet_s: float) -> None:
+    def _maybe_form(self, state: RendezvousState, waiting: list[str], quiet_s: float,
+                    now: float) -> None:
         """As the oldest waiting agent: write the next round if it is time.
 
-        A member of the current round whose agent key is there but who does not wait is
-        still training in that round. While no member of the round waits, the round is
-        intact: a round formed beside it would be a second job (standbys beyond MAX, or
-        newcomers, starting a group of their own), so none is. Once one member is back (its
-        workers failed, or it restarts them for newcomers: ``num_nodes_waiting``), the others
-        get ``last_call_timeout`` of quiet to come back too; one that has not by then is
-        left out (it died and its lease has not expired yet, or it hangs). A member that
-        exits deletes its key at once (SIGTERM included)."""
-        n, current = len(waiting), state["round"]["round"]
+        While a member of the current round may still train in it (:func:`possibly_training`)
+        and no member is back, the round is intact: a round formed beside it would be a
+        second job (standbys beyond MAX, or newcomers, starting a group of their own), so
+        none is. Once one member is back (its workers failed, or it restarts them for
+        newcomers: ``num_nodes_waiting``), its group is broken, and the others get
+        ``last_call_timeout`` of quiet to come back too; one that has not by then is left
+        out (it died and its lease has not expired yet, or it hangs, or it is cut off and
+        its workers, without that member, cannot go on). A member that exits deletes its
+        key at once (SIGTERM included) and says it left."""
+        n = len(waiting)
         if n < self._min:
             return
-        in_round = state["round"]["members"]
-        out = [m for m in in_round if m in state["agents"] and m not in waiting]
-        if out:
-            broken = any(m in waiting for m in in_round)
-            if not (broken and quiet_s >= self._last_call):
-                return
-        every_live_agent = set(state["agents"]) <= set(waiting)
-        if not (n >= self._max or quiet_s >= self._last_call
-                or (current > 0 and every_live_agent and quiet_s >= self._settle)):
+        current = state.round if state.round is not NO_ROUND else self._last_round
+        in_round = current.members
+        out = [m for m in in_round if possibly_training(m, state, self._missing_since,
+                                                        self.silence_hold_s, now)]
+        broken = any(m in state.waiting for m in in_round)
+        if out and not broken:
             return
-        members = waiting[: self._max]
+        # A member with its key may still come back: it gets the last call. One whose key
+        # is gone cannot come back into this round, and without the member that is back
+        # its workers cannot go on: it is not waited for (as before its key went).
+        if any(m in state.agents for m in out) and quiet_s < self._last_call:
+            return
+        every_live_agent = set(state.agents) <= set(waiting)
+        if not (n >= self._max or quiet_s >= self._last_call
+                or (current.number > 0 and every_live_agent and quiet_s >= self._settle)):
+            return
+        members = tuple(waiting[: self._max])
+        number = next_round_number(state, self._highest_round)
         if out:
-            log.info("round %d: leaving out %s (not back after %.1f s)", current + 1, out,
-                     quiet_s)
-        doc = json.dumps({"round": current + 1, "members": members}).encode()
-        rnd: KeyValue | None = state["round_kv"]
+            log.info("round %d: leaving out %s (not back after %.1f s)", number, out, quiet_s)
+        record = RoundRecord(number, members)
+        rnd = state.round_kv
         guard = (Txn.version(self._k("round")) == 0 if rnd is None
                  else Txn.mod(self._k("round")) == rnd.mod_revision)
         ops = [Txn.delete(self._k(f"waiting/{m}")) for m in members]
-        if current >= 1:  # the store two rounds back: nobody reads it any more
-            ops.append(Txn.delete(self._k(f"store/{current - 1}/"), prefix=True))
+        if number >= 3:  # the store two rounds back: nobody reads it any more
+            ops.append(Txn.delete(self._k(f"store/{number - 2}/"), prefix=True))
 
         def write(lease: int | None) -> bool:
-            ok, _ = self._client.txn([guard], [Txn.put(self._k("round"), doc, lease), *ops])
+            ok, _ = self._client.txn([guard], [Txn.put(self._k("round"), record.encode(), lease),
+                                               *ops])
             return ok
 
         if self._with_job_lease(write):
-            log.info("round %d: %s", current + 1, members)
+            log.info("round %d: %s", number, list(members))
 
     def _leave(self) -> None:
-        """Take this agent out: its keys go now, not a lease TTL later."""
+        """Take this agent out: its keys go now, not a lease TTL later, and a ``left/``
+        marker says it left (its workers are stopped), so no agent waits for it to stop."""
         if self._shut:
             return
         self._shut = True
-        try:
-            if self._watch is not None:
-                self._watch.stop()
-            if self._agent is not None:
-                self._agent.close(revoke=True)
-            job_lease = self._job_lease
-            if job_lease is not None:
-                self._keeper.forget(job_lease)
-            self._keeper.stop()
-            self._client.close()
-        except Exception as exc:  # at exit: never mask the agent's own outcome
-            log.warning("leaving rendezvous %s: %s", self._run_id, exc)
+        agent, store = self._agent, self._store
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if self._watch is not None:
+            steps.append(("stop the watch", self._watch.stop))
+        if agent is not None:
+            steps += [("say it left", self._say_left),
+                      ("revoke its lease", lambda: agent.close(revoke=True))]
+        steps.append(("stop keeping the job lease", self._forget_job_lease))
+        steps.append(("stop the lease keeper", self._keeper.stop))
+        if store is not None:
+            steps.append(("close the store", store.close))
+        for client in {id(c): c for c in (self._client, self._monitor_client)}.values():
+            steps.append(("close an etcd client", client.close))
+        for what, step in steps:  # each on its own: one failure must not skip the rest
+            try:
+                step()
+            except Exception as exc:  # at exit: never mask the agent's own outcome
+                log.warning("leaving rendezvous %s: %s: %s", self._run_id, what, exc)
+
+    def _say_left(self) -> None:
+        lease = self._job_lease
+        if lease is None:
+            return
+        self._client.txn([], [Txn.put(self._k(f"left/{self.agent_id}"), b"", lease),
+                              Txn.delete(self._k(f"agents/{self.agent_id}")),
+                              Txn.delete(self._k(f"waiting/{self.agent_id}"))])
+
+    def _forget_job_lease(self) -> None:
+        if self._job_lease is not None:
+            self._keeper.forget(self._job_lease)
 
     def shutdown(self) -> bool:
         """At agent exit. When the job finished (torch's exit barrier passed in this round),

@@ -123,7 +123,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 @requires_entry_point
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
                                                      tmp_path: Path) -> None:
     """Three agents; SIGKILL the oldest (group rank 0) with its worker mid-run; the two others
@@ -169,7 +169,7 @@ def test_losing_the_first_agent_does_not_end_the_job(etcd: str, unique_job: str,
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_sigterm_of_an_agent_leaves_at_once_and_the_other_goes_on(etcd: str, unique_job: str,
                                                                   tmp_path: Path) -> None:
     """Two agents (``--nnodes=1:2``); SIGTERM to the group-rank-0 agent (whose worker hosts
@@ -212,7 +212,7 @@ def test_sigterm_of_an_agent_leaves_at_once_and_the_other_goes_on(etcd: str, uni
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_new_agent_joins_a_running_job(etcd: str, unique_job: str, tmp_path: Path) -> None:
     """One agent trains alone (``--nnodes=1:2``); a second agent starts mid-run. The running
     agent sees it waiting (``num_nodes_waiting``), restarts its worker, and the group grows
@@ -245,7 +245,7 @@ def test_a_new_agent_joins_a_running_job(etcd: str, unique_job: str, tmp_path: P
 
 
 @requires_entry_point
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_agents_beyond_max_nnodes_stand_by_step_in_and_exit_with_the_job(
         etcd: str, unique_job: str, tmp_path: Path) -> None:
     """Four agents, ``--nnodes=1:2``: two form the round, the other two wait as standbys
@@ -257,7 +257,8 @@ def test_agents_beyond_max_nnodes_stand_by_step_in_and_exit_with_the_job(
     out = tmp_path / "out"
     out.mkdir()
     logs = [tmp_path / f"agent{i}.log" for i in range(4)]
-    kw = {"nnodes": "1:2", "conf": "lease_ttl=3,last_call_timeout=30"}
+    # etcd_outage_s=3: the killed member may train 3 s + lease_ttl after its key is gone.
+    kw = {"nnodes": "1:2", "conf": "lease_ttl=3,last_call_timeout=30,etcd_outage_s=3"}
     procs: list[subprocess.Popen] = []
     try:
         for i in range(4):
@@ -293,6 +294,103 @@ def test_agents_beyond_max_nnodes_stand_by_step_in_and_exit_with_the_job(
         _kill_all(procs)
 
 
+@requires_entry_point
+@pytest.mark.timeout(300)
+def test_an_etcd_outage_of_15_s_does_not_restart_the_workers(fresh_etcd,
+                                                            tmp_path: Path) -> None:
+    """Two agents train; etcd is down for 15 s (killed, then started on its data). The
+    workers never need etcd while they train, and the agents' monitor loops answer from
+    their last ``num_nodes_waiting()`` (``etcd_outage_s`` 40), so the workers train on
+    through the outage, are never restarted, and the job finishes with exit status 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    kw = {"nnodes": "2:2", "conf": "lease_ttl=3,last_call_timeout=2,etcd_outage_s=40"}
+    endpoint = fresh_etcd.endpoint
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(2):
+            procs.append(_agent(endpoint, "outage", out, 250, logs[i], **kw))  # type: ignore[arg-type]
+        _wait(lambda: _step(out) >= 10, 120, "two agents train 10 steps", procs, logs)
+        assert len(_rounds(out)) == 2
+        fresh_etcd.kill()
+        at_kill = _step(out)
+        time.sleep(15)  # the outage itself
+        during = _step(out) - at_kill
+        fresh_etcd.start()
+        assert all(p.poll() is None for p in procs), _tails(logs)
+        _wait(lambda: all(p.poll() is not None for p in procs), 200, "both agents finish",
+              procs, logs)
+        assert [p.returncode for p in procs] == [0, 0], _tails(logs)
+        assert during >= 10, f"only {during} steps during the outage"
+        assert len(_rounds(out)) == 2, _rounds(out)  # no worker restart
+        assert (out / "done").read_text() == "2" and _step(out) == 250
+        assert all("etcd does not answer" in log.read_text() for log in logs), _tails(logs)
+    finally:
+        _kill_all(procs)
+        if not fresh_etcd.running:
+            fresh_etcd.start()
+
+
+@requires_entry_point
+@pytest.mark.timeout(360)
+def test_a_round_whose_agents_lost_their_leases_is_not_replaced_while_it_trains(
+        etcd: str, unique_job: str, tmp_path: Path) -> None:
+    """Four agents, ``--nnodes=2:2``: two train, two stand by. Both member agents are frozen
+    (SIGSTOP; their workers train on) and their leases revoked, as after a partition longer
+    than ``lease_ttl``: their keys are gone while their workers still train. The standbys
+    do not form a round beside them (``etcd_outage_s + lease_ttl`` = 11 s is not over). The
+    members come back (SIGCONT) before that, find their keys gone, stop their workers and
+    rendezvous again; the job then finishes and every agent exits 0.
+
+    A real network partition (netns) would cut the agents off instead of freezing them; the
+    rule is the same: what the standbys see is a member's key gone while it still trains."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = [tmp_path / f"agent{i}.log" for i in range(4)]
+    kw = {"nnodes": "2:2", "conf": "lease_ttl=3,last_call_timeout=2,etcd_outage_s=8"}
+    procs: list[subprocess.Popen] = []
+    stopped: list[int] = []
+    try:
+        for i in range(4):
+            procs.append(_agent(etcd, unique_job, out, 200, logs[i], **kw))  # type: ignore[arg-type]
+        _wait(lambda: _step(out) >= 10, 150, "the first round trains 10 steps", procs, logs)
+        members = {pid for _, pid, _ in _rounds(out)}
+        standbys = {p.pid for p in procs} - members
+        _wait(lambda: _agent_pids(etcd, unique_job, "waiting/") == standbys, 60,
+              "the two other agents wait as standbys", procs, logs)
+        prefix = run_prefix(unique_job) + "agents/"
+        with EtcdClient(etcd) as client:
+            kvs, _ = client.get_prefix(prefix)
+            leases = [kv.lease for kv in kvs if json.loads(kv.value)["pid"] in members]
+            assert len(leases) == 2
+            for pid in members:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            for lease in leases:
+                client.revoke(lease)
+        cut = time.monotonic()
+        step_at_cut = _step(out)
+        while time.monotonic() - cut < 6:  # well inside the 11 s the standbys must wait
+            assert _round(etcd, unique_job)["round"] == 1, "a round formed beside the one training"
+            assert len(_rounds(out)) == 2, _rounds(out)
+            time.sleep(0.1)
+        assert _step(out) > step_at_cut, "the frozen agents' workers train on"
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped.clear()
+        _wait(lambda: all(p.poll() is not None for p in procs), 240, "every agent exits",
+              procs, logs)
+        assert [p.returncode for p in procs] == [0, 0, 0, 0], _tails(logs)
+        assert (out / "done").read_text() == "2" and _step(out) == 200
+        back = [logs[i].read_text() for i, p in enumerate(procs) if p.pid in members]
+        assert all("its key is gone" in text for text in back), _tails(logs)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        _kill_all(procs)
+
+
 # --- in-process: the handler and the store, no torchrun -------------------------------------
 
 
@@ -304,27 +402,101 @@ def _params(etcd: str, job: str, min_nodes: int, max_nodes: int, **conf):
 
 
 def test_store_semantics(etcd: str, unique_job: str) -> None:
+    """The round's store is peer_elastic's EtcdStore (the one Store of the project), under the
+    round's prefix and the job lease."""
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    handler = PeerElasticRendezvousHandler(_params(etcd, unique_job, 1, 1))
+    try:
+        _check_round_store(handler.next_rendezvous().store, unique_job)
+    finally:
+        handler.shutdown()
+
+
+def _check_round_store(store, job: str) -> None:
     import datetime
 
     from torch.distributed import DistStoreError
 
-    from peer_elastic.torchrun import EtcdV3Store
+    from peer_elastic.torch.store import EtcdStore
 
-    with EtcdClient(etcd) as client:
-        store = EtcdV3Store(client, run_prefix(unique_job) + "store/1/", lambda: None, 5.0)
-        store.set("a", "x")
-        assert store.get("a") == b"x"
-        assert store.add("n", 2) == 2 and store.add("n", 3) == 5 and store.get("n") == b"5"
-        assert store.compare_set("c", "", "v1") == b"v1"
-        assert store.compare_set("c", "wrong", "v2") == b"v1"
-        assert store.compare_set("c", "v1", "v2") == b"v2"
-        assert store.check(["a", "n"]) and not store.check(["a", "missing"])
-        assert store.multi_get(["a", "c"]) == [b"x", b"v2"]
+    assert isinstance(store, EtcdStore)
+    assert store.prefix == run_prefix(job) + "store/1/"
+    assert store.lease_id is not None
+    store.set("a", "x")
+    assert store.get("a") == b"x"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5 and store.get("n") == b"5"
+    assert store.compare_set("c", "", "v1") == b"v1"
+    assert store.compare_set("c", "wrong", "v2") == b"v1"
+    assert store.compare_set("c", "v1", "v2") == b"v2"
+    assert store.check(["a", "n"]) and not store.check(["a", "missing"])
+    assert store.multi_get(["a", "c"]) == [b"x", b"v2"]
+    t0 = time.monotonic()
+    with pytest.raises(DistStoreError):
+        store.wait(["missing"], datetime.timedelta(seconds=0.5))
+    assert time.monotonic() - t0 < 3
+    before = store.num_keys()
+    assert store.delete_key("a") and store.num_keys() == before - 1
+
+
+def test_store_add_counts_once_when_etcd_answers_are_lost(etcd: str, unique_job: str) -> None:
+    """etcd applies the store's compare-and-put of ``add`` and the answer is lost; the client
+    retries. The counter still counts once, so torch's exit barrier (two agents, every
+    first answer to a store transaction lost) completes instead of waiting out its timeout."""
+    import threading
+
+    from torch.distributed.elastic.utils.store import barrier
+
+    from peer_elastic.etcd.client import FaultInjection
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    clients = [EtcdClient(etcd) for _ in range(2)]
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2), client=c)
+                for c in clients]
+    infos: dict[int, object] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: infos.__setitem__(
+            i, handlers[i].next_rendezvous()), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert set(infos) == {0, 1}
+        store_prefix = run_prefix(unique_job) + "store/1/"
+        lost: list[str] = []
+
+        def lose_first_answer(what: str) -> bool:
+            if what.startswith("transaction") and store_prefix in what and what not in lost:
+                lost.append(what)
+                return True
+            return False
+
+        for c in clients:
+            c.faults = FaultInjection(lose_response=lose_first_answer)
+        store = infos[0].store
+        assert store.add("counter", 1) == 1
+        assert store.add("counter", 0) == 1  # applied once, although retried
+        assert lost, "no answer was dropped: the test did not provoke a retry"
+        errors: list[BaseException] = []
+
+        def exit_barrier(i: int) -> None:
+            try:
+                barrier(infos[i].store, 2, key_prefix="torchelastic/agent/terminal_state",
+                        barrier_timeout=20, rank=i)
+            except BaseException as exc:
+                errors.append(exc)
+
         t0 = time.monotonic()
-        with pytest.raises(DistStoreError):
-            store.wait(["missing"], datetime.timedelta(seconds=0.5))
-        assert time.monotonic() - t0 < 3
-        assert store.num_keys() == 3 and store.delete_key("a") and store.num_keys() == 2
+        threads = [threading.Thread(target=exit_barrier, args=(i,), daemon=True)
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and time.monotonic() - t0 < 15, errors
+    finally:
+        for h in handlers:
+            h.shutdown()
 
 
 def test_rounds_rank_agents_by_age_and_admit_newcomers(etcd: str, unique_job: str) -> None:
@@ -505,5 +677,236 @@ def test_standbys_never_form_a_round_beside_a_running_one(etcd: str, unique_job:
         standbys[idle - 2].join(30)
         assert isinstance(infos[idle], SystemExit) and infos[idle].code == 0
     finally:
+        for h in handlers:
+            h.shutdown()
+
+
+# --- etcd faults ----------------------------------------------------------------------------
+
+
+def _rdzv_threads(handlers, which, infos: dict) -> list:
+    """next_rendezvous() of ``handlers[i]`` for each i in ``which``, each on a daemon thread;
+    the outcome (RendezvousInfo or the exception) lands in ``infos[i]``."""
+    import threading
+
+    def rdzv(i: int) -> None:
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # SystemExit too: a standby told the job finished
+            infos[i] = exc
+
+    threads = [threading.Thread(target=rdzv, args=(i,), daemon=True) for i in which]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+def test_records_are_parsed_strictly() -> None:
+    from peer_elastic.torchrun import RoundRecord, parse_lease_id, parse_round, parse_waiting
+
+    assert parse_round(b'{"round": 3, "members": ["a", "b"]}') == RoundRecord(3, ("a", "b"))
+    assert parse_round(RoundRecord(7, ("x",)).encode()) == RoundRecord(7, ("x",))
+    for junk in (b"", b"\xff\xfe", b"null", b"[]", b'"round"', b'{"round": "3"}',
+                 b'{"round": 3}', b'{"round": 0, "members": ["a"]}',
+                 b'{"round": true, "members": ["a"]}', b'{"round": 2, "members": []}',
+                 b'{"round": 2, "members": ["a", "a"]}', b'{"round": 2, "members": [1]}',
+                 b'{"round": 2.5, "members": ["a"]}', b"\x80\x04K\x01."):  # the last: a pickle
+        assert parse_round(junk) is None, junk
+    assert parse_round(RoundRecord(2**62 + 1, ("x",)).encode()) is not None
+    assert parse_round(RoundRecord(2**62 + 2, ("x",)).encode()) is None
+    assert parse_waiting(b'{"after": 4}') == 4
+    for junk in (b"", b'{"after": -1}', b'{"after": "4"}', b"4", b'{"after": null}'):
+        assert parse_waiting(junk) is None, junk
+    assert parse_lease_id(b"7587869355371123") == 7587869355371123
+    for junk in (b"", b"-5", b"0", b"12a", b" 12", b"\xff", b"99999999999999999999", "٣".encode()):
+        assert parse_lease_id(junk) is None, junk
+
+
+def test_malformed_round_and_lease_values_are_ignored(etcd: str, unique_job: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Junk in ``lease``, ``round`` and a ``waiting/`` key (as a foreign writer or a torn
+    value would leave): the agents log it once, treat it as absent, replace it, and form
+    round 1; ``num_nodes_waiting()`` never raises."""
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler, parse_lease_id
+
+    prefix = run_prefix(unique_job)
+    with EtcdClient(etcd) as client:
+        client.put(prefix + "lease", b"not-a-lease")
+        client.put(prefix + "round", b"\x80\x04K\x01.")  # a pickle: never unpickled
+        client.put(prefix + "waiting/ghost", b"{oops")
+        client.put(prefix + "waiting/ghost2", b'{"after": 4611686018427387904}')  # no agent
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2,
+                                                     last_call_timeout=0.5)) for _ in range(2)]
+    infos: dict[int, object] = {}
+    try:
+        with caplog.at_level("WARNING", logger="peer_elastic.torchrun"):
+            for t in _rdzv_threads(handlers, (0, 1), infos):
+                t.join(30)
+            assert sorted((infos[i].rank, infos[i].world_size) for i in (0, 1)) == \
+                [(0, 2), (1, 2)], infos
+            assert _round(etcd, unique_job)["round"] == 1
+            with EtcdClient(etcd) as client:
+                client.put(prefix + "round", b'{"round": "x"}')
+            for _ in range(3):
+                assert handlers[0].num_nodes_waiting() == 0
+        with EtcdClient(etcd) as client:
+            kv = client.get(prefix + "lease")
+        assert kv is not None and parse_lease_id(kv.value) is not None
+        malformed = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+        for what in ("job lease id", "round record", "waiting record"):
+            assert any(what in m for m in malformed), malformed
+        # Once per key and value in each agent, not once per poll.
+        assert all(malformed.count(m) <= 2 for m in malformed), malformed
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_round_numbers_never_go_backwards_after_the_job_lease_expires(
+        etcd: str, unique_job: str) -> None:
+    """MIN=MAX=2: agents 0 and 1 train in round 1, agent 2 stands by (it saw round 1). The
+    job lease expires (revoked here): ``round`` and the store go with it. Agent 0 comes
+    back; the next round is 2, not 1 again, so the standby recognises it at once instead of
+    waiting out ``join_timeout`` for a round after 1."""
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    conf = {"last_call_timeout": 0.5, "lease_ttl": 5, "join_timeout": 60}
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2, **conf))
+                for _ in range(3)]
+    infos: dict[int, object] = {}
+    try:
+        for t in _rdzv_threads(handlers, (0, 1), infos):
+            t.join(30)
+        assert {i for i in infos} == {0, 1}
+        standby = _rdzv_threads(handlers, (2,), infos)[0]
+        _until(lambda: len(_keys(etcd, unique_job, "waiting/")) == 1, 20, "the standby waits")
+        prefix = run_prefix(unique_job)
+        with EtcdClient(etcd) as client:
+            client.revoke(int(client.get(prefix + "lease").value))
+            assert client.get(prefix + "round") is None
+        t0 = time.monotonic()
+        back = _rdzv_threads(handlers, (0,), infos)[0]
+        back.join(30)
+        standby.join(30)
+        assert time.monotonic() - t0 < 20
+        assert (infos[0].rank, infos[2].rank) == (0, 1), infos
+        assert _round(etcd, unique_job)["round"] == 2
+        assert infos[2].store.prefix == prefix + "store/2/"
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_standbys_wait_out_a_cut_off_round_before_replacing_it(etcd: str,
+                                                               unique_job: str) -> None:
+    """MIN=MAX=2: agents 0 and 1 train in round 1; 2 and 3 stand by. Both members' leases
+    expire (revoked here, as after a partition longer than ``lease_ttl``: their keys vanish
+    while their workers may still train). The standbys do not form round 2 until the
+    members may have stopped (``etcd_outage_s + lease_ttl`` after they saw the keys go);
+    the cut-off agents themselves answer ``num_nodes_waiting() == 1`` once they reach etcd
+    again, which makes torch stop their workers. A member that left gracefully (its
+    ``left/`` marker) is not waited for."""
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    conf = {"last_call_timeout": 0.3, "lease_ttl": 2, "etcd_outage_s": 4, "settle": 0.1}
+    handlers = [PeerElasticRendezvousHandler(_params(etcd, unique_job, 2, 2, **conf))
+                for _ in range(4)]
+    hold = conf["etcd_outage_s"] + conf["lease_ttl"]  # the handler's silence_hold_s
+    infos: dict[int, object] = {}
+    try:
+        for t in _rdzv_threads(handlers, (0, 1), infos):
+            t.join(30)
+        standbys = _rdzv_threads(handlers, (2, 3), infos)
+        _until(lambda: len(_keys(etcd, unique_job, "waiting/")) == 2, 20, "the standbys wait")
+        assert handlers[0].num_nodes_waiting() == 0
+        with EtcdClient(etcd) as client:
+            for h in handlers[:2]:
+                client.revoke(h._agent.lease_id)
+        gone = time.monotonic()
+        _until(lambda: not _keys(etcd, unique_job, "agents/").keys()
+               & {h.agent_id for h in handlers[:2]}, 10, "the members' keys are gone")
+        # The members' keys are gone; their workers may still train: no round yet.
+        while time.monotonic() - gone < hold - 1.5:
+            assert _round(etcd, unique_job)["round"] == 1
+            time.sleep(0.1)
+        assert not infos.keys() & {2, 3}
+        # The cut-off agents stop their workers once they see their own key gone.
+        assert handlers[0].num_nodes_waiting() == 1 and handlers[1].num_nodes_waiting() == 1
+        for t in standbys:
+            t.join(30)
+        assert time.monotonic() - gone >= hold - 1.5
+        assert sorted((infos[i].rank, infos[i].world_size) for i in (2, 3)) == \
+            [(0, 2), (1, 2)], infos
+        assert _round(etcd, unique_job)["round"] == 2
+        # Graceful: agent 2 leaves (shutdown: its workers are stopped) and says so; the
+        # other member comes back and, with agent 0 waiting too, round 3 forms at once.
+        handlers[2].shutdown()
+        t0 = time.monotonic()
+        for t in _rdzv_threads(handlers, (3, 0), infos):
+            t.join(30)
+        assert time.monotonic() - t0 < hold - 1
+        assert _round(etcd, unique_job)["round"] == 3
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_an_etcd_outage_costs_nothing_up_to_etcd_outage_s(fresh_etcd) -> None:
+    """etcd down for 8 s (``etcd_outage_s`` 30): ``num_nodes_waiting()`` answers at once from
+    its last answer (logged once); a rendezvous started during the outage goes through once
+    etcd is back. Then etcd down with ``etcd_outage_s`` 3: ``next_rendezvous()`` ends with a
+    RendezvousConnectionError that names the setting, and ``num_nodes_waiting()`` answers 1
+    (stop the workers) once etcd has been silent that long."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from peer_elastic.torchrun import PeerElasticRendezvousHandler
+
+    endpoint = fresh_etcd.endpoint
+    conf = {"last_call_timeout": 0.3, "lease_ttl": 3, "etcd_outage_s": 30}
+    handlers = [PeerElasticRendezvousHandler(_params(endpoint, "outage", 1, 3, **conf))
+                for _ in range(2)]
+    infos: dict[int, object] = {}
+    try:
+        for t in _rdzv_threads(handlers, (0,), infos):
+            t.join(30)
+        assert infos[0].world_size == 1
+        assert handlers[0].num_nodes_waiting() == 0
+        fresh_etcd.kill()
+        down = time.monotonic()
+        late = _rdzv_threads(handlers, (1,), infos)[0]  # a newcomer during the outage
+        while time.monotonic() - down < 8:
+            t0 = time.monotonic()
+            assert handlers[0].num_nodes_waiting() == 0
+            assert time.monotonic() - t0 < 4  # answers, does not wait out the outage
+            time.sleep(0.5)
+        fresh_etcd.start()
+        _until(lambda: handlers[0].num_nodes_waiting() == 1, 30, "the newcomer is seen")
+        for t in _rdzv_threads(handlers, (0,), infos):
+            t.join(30)
+        late.join(30)
+        assert sorted((infos[i].rank, infos[i].world_size) for i in (0, 1)) == \
+            [(0, 2), (1, 2)], infos
+        short = PeerElasticRendezvousHandler(_params(endpoint, "outage-short", 1, 1,
+                                                     etcd_outage_s=3, lease_ttl=3))
+        handlers.append(short)
+        for t in _rdzv_threads(handlers, (2,), infos):
+            t.join(30)
+        assert short.num_nodes_waiting() == 0
+        fresh_etcd.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="etcd_outage_s"):
+            short.next_rendezvous()
+        assert time.monotonic() - t0 < 20
+        _until(lambda: short.num_nodes_waiting() == 1, 20, "stop the workers")
+    finally:
+        if not fresh_etcd.running:
+            fresh_etcd.start()
         for h in handlers:
             h.shutdown()
