@@ -491,8 +491,9 @@ class ScheduleRunner(ChaosRunner):
         return (f"SCHEDULE SEED {self.seed} [{self.plan.pattern.describe()}] "
                 f"(replay: {SEED_ENV}={self.seed} pytest tests/test_schedules.py)")
 
-    def fail(self, msg: str, peers: Any = None, lines: int = 40) -> NoReturn:
-        super().fail(f"{msg}\nplan: {self.plan.describe()}", peers, lines)
+    def fail(self, msg: str, peers: Any = None, lines: int = 40,
+             stacks: bool = False) -> NoReturn:
+        super().fail(f"{msg}\nplan: {self.plan.describe()}", peers, lines, stacks)
 
     def settled(self) -> bool:
         # While paused a joiner waits as a standby although the generation is not full.
@@ -657,6 +658,7 @@ class ScheduleRunner(ChaosRunner):
             size = len(self.roster())
             at_park = directory.newest_valid()
             self.cli("set", f"max_np={size - 1}")
+            restore_max, self.max_np = self.max_np, size - 1
             self.wait_progress(f"{ev.describe()}: park one", above_gen=g0)
             g0 = self.max_gen
             self.wait_for("a snapshot after the park", lambda: _newer(
@@ -679,6 +681,7 @@ class ScheduleRunner(ChaosRunner):
             os.rename(directory.snapshot_path(newest.id), hidden)
             newest = directory.newest_valid()
         if variant == "park":
+            self.max_np = restore_max
             self.cli("set", f"max_np={self.max_np}")
         env: dict[str, object] = {}
         if variant == "slow":
