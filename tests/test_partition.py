@@ -305,3 +305,133 @@ def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
         finally:
             c.close()
             etcd.stop()
+
+
+# -- a roster host cut off from etcd, replaced by a standby on another host --------------------
+
+STANDBY_SETTINGS = dict(
+    SETTINGS,
+    PEER_ELASTIC_MIN_NP=1,
+    PEER_ELASTIC_MAX_NP=2,  # the third peer waits as a standby
+    WORKER_SAMPLES=960,
+    WORKER_EPOCHS=1000,  # ended by WORKER_END_FILE once the cut-off peers are back
+    WORKER_STEP_TIMES=1,  # every batch says when it ran: STEPPED lines
+)
+STEPPED_LINE = re.compile(r"STEPPED (\d+) (\d+) (\d+) (\d+\.\d+) (\d+\.\d+)")
+
+
+def stepped(p: PeerProc, upto: int | None = None) -> list[tuple[int, float, float]]:
+    """(generation, began, ended) of every batch ``p`` printed (in its first ``upto``
+    lines, if given); times are ``time.monotonic()`` of the peer, the test's clock too."""
+    with p.cond:
+        lines = p.lines if upto is None else p.lines[:upto]
+        return [(int(m.group(3)), float(m.group(4)), float(m.group(5))) for line in lines
+                if (m := STEPPED_LINE.fullmatch(line))]
+
+
+# Roster peers' hosts, standbys' hosts (indexes into hosts.hosts); host 0 is the one cut off.
+# spread: one roster peer on the cut host, the other on a host that keeps etcd; the new group
+# is that peer and the standby. together: both roster peers on the cut host, which can still
+# train with each other there (their traffic never leaves it), so only their leases stop
+# them; the new group is the standby alone.
+LAYOUTS = {"spread": ([0, 1], [2]), "together": ([0, 0], [1])}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
+        unique_job: str, tmp_path: Path, layout: str) -> None:
+    # max_np=2: two roster peers and a standby, on the hosts LAYOUTS names. The oldest
+    # roster peer's host is cut off from etcd only (a tc filter that drops what goes to or
+    # comes from the bridge's addresses, where etcd listens; the hosts still reach each
+    # other). Its peers lose their leases and stop; the others, with the standby, form a new
+    # group. Two groups training at once would break exactly-once: every batch the cut-off
+    # peers ran must have ended before the new group's first batch began, on one clock (the
+    # machine's monotonic clock, which network namespaces share). After the heal the cut-off
+    # peers register again (as standbys or in the roster) and the job ends exactly once.
+    roster_at, standby_at = LAYOUTS[layout]
+    end = tmp_path / "end"
+    with hosts_or_skip(3, "etcd cut with a standby") as hosts:
+        etcd = EtcdCluster(1, extra_client_hosts=[hosts.bridge_ip4]).start()
+        c = Cluster(etcd.endpoint_string, unique_job, **STANDBY_SETTINGS, WORKER_END_FILE=end)
+        try:
+            bridged = ",".join(f"{hosts.bridge_ip4}:{m.client_port}" for m in etcd.members)
+
+            def start_on(i: int) -> PeerProc:
+                h = hosts.hosts[i]
+                (p,) = c.start(1, wrap=h.exec_args, where=h.name, PEER_ELASTIC_ETCD=bridged)
+                wait_joined(p)  # one at a time: the first is the oldest (rank 0, leader)
+                return p
+
+            roster = [start_on(i) for i in roster_at]
+            for p in roster:
+                wait_gen(p, 2)
+            standbys = [start_on(i) for i in standby_at]
+            cut_off = [p for p, i in zip(roster, roster_at, strict=True) if i == 0]
+            survivors = [p for p in roster if p not in cut_off] + standbys
+            # The roster trains on with the standby registered, and the standby does not train.
+            base = len(stepped(roster[0]))
+            wait_for(roster[0], lambda: True if len(stepped(roster[0])) >= base + 10 else None,
+                     "no 10 batches with the standby registered")
+            assert not any(gens(s) for s in standbys), "a standby trained:\n" + \
+                "\n".join(s.output() for s in standbys)
+
+            marks = {p.name: len(p.lines) for p in c.peers}
+            t_cutting = time.monotonic()
+            try:
+                hosts.cut_from_etcd(hosts.hosts[0])
+            except NetnsUnavailable as exc:
+                pytest.skip(f"etcd cut with a standby: {exc}")
+            t_cut = time.monotonic()
+
+            # The others form a new group, the standby in it, and train on.
+            size = min(len(survivors), 2)
+            g_new = 0
+            for p in survivors:
+                _, g = wait_gen(p, size, after=marks[p.name], timeout=120)
+                g_new = max(g_new, g)
+            wait_for(standbys[0], lambda: True if sum(
+                1 for g, _, _ in stepped(standbys[0]) if g >= g_new) >= HOLD_STEPS else None,
+                f"the new group (generation {g_new}) did not train {HOLD_STEPS} batches",
+                timeout=90)
+            # The cut-off peers stopped training, but not running (that they lost their
+            # leases they can only say once they reach etcd again: after the heal).
+            quiet = {p.name: len(stepped(p)) for p in cut_off}
+            wait_for(standbys[0], lambda: True if sum(
+                1 for g, _, _ in stepped(standbys[0]) if g >= g_new) >= 2 * HOLD_STEPS
+                else None, f"the new group did not train {2 * HOLD_STEPS} batches", timeout=90)
+            for p in cut_off:
+                assert len(stepped(p)) == quiet[p.name], "a cut-off peer trained on:\n" + \
+                    p.output()
+                assert p.proc.poll() is None, "a cut-off peer must stay up:\n" + p.output()
+
+            # No overlap: the cut-off peers' last batch ended before the new group's first
+            # batch began (the new group: any generation after the one they trained in).
+            g_old = max(g for p in cut_off for g, _, _ in stepped(p))
+            assert g_old < g_new, (g_old, g_new)
+            last_old = max(ended for p in cut_off for _, _, ended in stepped(p))
+            first_new = min(began for p in survivors for g, began, _ in stepped(p)
+                            if g > g_old)
+            timeline = "\n".join(f"--- {p.name}\n{p.output()[-3000:]}" for p in c.peers)
+            assert last_old < first_new, (
+                f"two groups trained at once: a cut-off peer's batch ended "
+                f"{last_old - t_cut:.3f} s after the cut, the new group's first began "
+                f"{first_new - t_cut:.3f} s after it\n{timeline}")
+
+            # Heal: the cut-off peers find their leases gone and register again as new
+            # members (as standbys or in the roster); the job ends once.
+            hosts.heal(hosts.hosts[0])
+            for p in cut_off:
+                wait_joined(p, after=marks[p.name], timeout=120)
+                with p.cond:
+                    assert any(LOST_LEASE.search(line) for line in p.lines[marks[p.name]:]), \
+                        p.output()
+            end.touch()
+            result = assert_exactly_once(c.peers, timeout=180)
+            assert result["world"] <= 2, result
+            print(f"etcd cut ({layout}): cut took {t_cut - t_cutting:.2f} s; cut -> last "
+                  f"batch of the cut-off peers ended {last_old - t_cut:.2f} s; cut -> first "
+                  f"batch of the new group began {first_new - t_cut:.2f} s "
+                  f"(generation {g_old} -> {g_new})")
+        finally:
+            c.close()
+            etcd.stop()
