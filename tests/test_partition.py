@@ -329,26 +329,58 @@ def stepped(p: PeerProc, upto: int | None = None) -> list[tuple[int, float, floa
                 if (m := STEPPED_LINE.fullmatch(line))]
 
 
+class TwoGroupsTrained(AssertionError):
+    """A cut-off peer's batch of its old group was still running when the new group's first
+    batch began."""
+
+
+def assert_one_group_at_a_time(cut_off: list[PeerProc], others: list[PeerProc], g_new: int,
+                               t_cut: float) -> tuple[int, float, float]:
+    """Every batch the ``cut_off`` peers ran in a generation before ``g_new`` ended before
+    the first batch the ``others`` ran in a later generation than those began. Returns (the
+    cut-off peers' last generation, when their last batch ended, when the new group's first
+    batch began). Raises :class:`TwoGroupsTrained` otherwise."""
+    old = [(g, ended) for p in cut_off for g, _, ended in stepped(p) if g < g_new]
+    g_old = max(g for g, _ in old)
+    last_old = max(ended for _, ended in old)
+    first_new = min(began for p in others for g, began, _ in stepped(p) if g > g_old)
+    if last_old >= first_new:
+        raise TwoGroupsTrained(
+            f"two groups trained at once: a cut-off peer's batch of generation {g_old} ended "
+            f"{last_old - t_cut:.3f} s after the cut, the new group's first batch began "
+            f"{first_new - t_cut:.3f} s after it\n" + "\n".join(
+                f"--- {p.name}\n{p.output()[-3000:]}" for p in cut_off + others))
+    return g_old, last_old, first_new
+
+
 # Roster peers' hosts, standbys' hosts (indexes into hosts.hosts); host 0 is the one cut off.
 # spread: one roster peer on the cut host, the other on a host that keeps etcd; the new group
 # is that peer and the standby. together: both roster peers on the cut host, which can still
-# train with each other there (their traffic never leaves it), so only their leases stop
-# them; the new group is the standby alone.
-LAYOUTS = {"spread": ([0, 1], [2]), "together": ([0, 0], [1])}
+# train with each other there (their traffic never leaves it), so only their leases can stop
+# them; the new group is the standby alone (which finds no holder of the newest state).
+LAYOUTS = {
+    "spread": ([0, 1], [2]),
+    "together": pytest.param(([0, 0], [1]), marks=pytest.mark.xfail(
+        raises=TwoGroupsTrained, strict=True,
+        reason="peers that lose etcd keep training while their group holds: losing etcd is "
+               "taken for an etcd outage (leases are restored when it returns), so they train "
+               "on past the end of their leases, beside the group that replaced them")),
+}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
-        unique_job: str, tmp_path: Path, layout: str) -> None:
+        unique_job: str, tmp_path: Path, layout: tuple[list[int], list[int]]) -> None:
     # max_np=2: two roster peers and a standby, on the hosts LAYOUTS names. The oldest
     # roster peer's host is cut off from etcd only (a tc filter that drops what goes to or
     # comes from the bridge's addresses, where etcd listens; the hosts still reach each
-    # other). Its peers lose their leases and stop; the others, with the standby, form a new
-    # group. Two groups training at once would break exactly-once: every batch the cut-off
+    # other). Its peers lose their leases and stop (spread: the other roster peer, told by
+    # etcd, abandons the group, which stops the cut-off one); the others, with the standby,
+    # form a new group. Two groups training at once would break exactly-once: every batch the cut-off
     # peers ran must have ended before the new group's first batch began, on one clock (the
     # machine's monotonic clock, which network namespaces share). After the heal the cut-off
     # peers register again (as standbys or in the roster) and the job ends exactly once.
-    roster_at, standby_at = LAYOUTS[layout]
+    roster_at, standby_at = layout
     end = tmp_path / "end"
     with hosts_or_skip(3, "etcd cut with a standby") as hosts:
         etcd = EtcdCluster(1, extra_client_hosts=[hosts.bridge_ip4]).start()
@@ -393,6 +425,9 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
                 1 for g, _, _ in stepped(standbys[0]) if g >= g_new) >= HOLD_STEPS else None,
                 f"the new group (generation {g_new}) did not train {HOLD_STEPS} batches",
                 timeout=90)
+            # No overlap so far: the cut-off peers' last batch of their old group ended
+            # before the new group's first began (checked again once every line is in).
+            assert_one_group_at_a_time(cut_off, survivors, g_new, t_cut)
             # The cut-off peers stopped training, but not running (that they lost their
             # leases they can only say once they reach etcd again: after the heal).
             quiet = {p.name: len(stepped(p)) for p in cut_off}
@@ -403,19 +438,6 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
                 assert len(stepped(p)) == quiet[p.name], "a cut-off peer trained on:\n" + \
                     p.output()
                 assert p.proc.poll() is None, "a cut-off peer must stay up:\n" + p.output()
-
-            # No overlap: the cut-off peers' last batch ended before the new group's first
-            # batch began (the new group: any generation after the one they trained in).
-            g_old = max(g for p in cut_off for g, _, _ in stepped(p))
-            assert g_old < g_new, (g_old, g_new)
-            last_old = max(ended for p in cut_off for _, _, ended in stepped(p))
-            first_new = min(began for p in survivors for g, began, _ in stepped(p)
-                            if g > g_old)
-            timeline = "\n".join(f"--- {p.name}\n{p.output()[-3000:]}" for p in c.peers)
-            assert last_old < first_new, (
-                f"two groups trained at once: a cut-off peer's batch ended "
-                f"{last_old - t_cut:.3f} s after the cut, the new group's first began "
-                f"{first_new - t_cut:.3f} s after it\n{timeline}")
 
             # Heal: the cut-off peers find their leases gone and register again as new
             # members (as standbys or in the roster); the job ends once.
@@ -428,8 +450,11 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
             end.touch()
             result = assert_exactly_once(c.peers, timeout=180)
             assert result["world"] <= 2, result
-            print(f"etcd cut ({layout}): cut took {t_cut - t_cutting:.2f} s; cut -> last "
-                  f"batch of the cut-off peers ended {last_old - t_cut:.2f} s; cut -> first "
+            g_old, last_old, first_new = assert_one_group_at_a_time(
+                cut_off, survivors, g_new, t_cut)  # every line read: the peers exited
+            print(f"etcd cut ({len(cut_off)} of 2 roster peers): cut took "
+                  f"{t_cut - t_cutting:.2f} s; cut -> last batch of the cut-off peers ended "
+                  f"{last_old - t_cut:.2f} s; cut -> first "
                   f"batch of the new group began {first_new - t_cut:.2f} s "
                   f"(generation {g_old} -> {g_new})")
         finally:
