@@ -13,6 +13,13 @@ The converse, a peer cut off from the other peers but not from etcd, runs on thr
 (tests/helpers/hosts.py): its lease lives on, so only the members' reachability reports
 (peer_elastic/etcd/reach.py) can take it out of the roster until the cut heals.
 
+A roster host cut off from etcd only, while a standby on another host replaces its peer
+(``max_np=2``, three hosts): the cut-off peer's last batch must end before the new group's
+first batch begins (every batch timestamped on the machine's one monotonic clock), and after
+the heal it registers again and the job ends exactly once. With both roster peers on the cut
+host nothing they can reach tells them their leases ended, and they train on beside the new
+group: that case is an expected failure until they stop by themselves.
+
 Needs root and network namespaces; skipped (with the reason) where they are unavailable.
 """
 
