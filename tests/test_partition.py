@@ -413,6 +413,14 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
                      "no 10 batches with the standby registered")
             assert not any(gens(s) for s in standbys), "a standby trained:\n" + \
                 "\n".join(s.output() for s in standbys)
+            # The wiring the cut relies on: the cut-off peers reach etcd at the bridge's
+            # address (which the cut drops) and the other roster peer at its host's (which it
+            # spares).
+            partner_ip = hosts.hosts[roster_at[1]].ip4
+            for p in cut_off:
+                conns = tcp_connections(p.pid)
+                assert any(ri == hosts.bridge_ip4 for _, _, ri, _ in conns), conns
+                assert any(ri == partner_ip for _, _, ri, _ in conns), conns
 
             marks = {p.name: len(p.lines) for p in c.peers}
             t_cutting = time.monotonic()
