@@ -459,9 +459,10 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
             hosts.heal(hosts.hosts[0])
             for p in cut_off:
                 wait_joined(p, after=marks[p.name], timeout=120)
-                with p.cond:
-                    assert any(LOST_LEASE.search(line) for line in p.lines[marks[p.name]:]), \
-                        p.output()
+                # Said in a line of its own, just after the registration's.
+                wait_for(p, lambda p=p: True if any(
+                    LOST_LEASE.search(line) for line in p.lines[marks[p.name]:]) else None,
+                    "registered again without saying it lost its lease", timeout=30)
             end.touch()
             result = assert_exactly_once(c.peers, timeout=180)
             assert result["world"] <= 2, result
