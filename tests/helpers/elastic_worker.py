@@ -77,6 +77,11 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   ``multiprocessing`` process with the fork start method, which sleeps until it is stopped
   or its parent ends).
 
+* ``WORKER_STEP_TIMES=1``: every batch also prints ``STEPPED <epoch> <batch> <generation>
+  <begin> <end>``, ``time.monotonic()`` (one clock for every process on the machine, network
+  namespaces included) before its forward pass and after its optimizer steps, so a test can
+  order batches of different peers by when they ran rather than by when it read the lines.
+
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
 holds (the model's counts and the sampler's progress come from the same snapshot, so the
@@ -122,6 +127,7 @@ RECORD = os.environ.get("WORKER_RECORD", "batch")
 PLAIN = os.environ.get("WORKER_PLAIN") == "1"
 END_FILE = os.environ.get("WORKER_END_FILE")
 STACKS_AFTER_S = float(os.environ.get("WORKER_STACKS_AFTER_S", "0"))
+STEP_TIMES = os.environ.get("WORKER_STEP_TIMES") == "1"
 RESULT_PATH = os.environ.get("WORKER_RESULT")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
@@ -430,6 +436,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     maybe_stall(state.epoch, b, peer.rank, peer.generation)
                     maybe_exempt_work(peer, state.epoch, b, peer.rank)
                     idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
+                    began = time.monotonic()
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
@@ -450,6 +457,9 @@ def _main(stall_stacks: StallStacks | None) -> int:
                         state.sampler.record_indices(idx)
                     else:
                         state.sampler.record_batch(b, BS)
+                    if STEP_TIMES:
+                        say("STEPPED", state.epoch, b, peer.generation, f"{began:.6f}",
+                            f"{time.monotonic():.6f}")
                     time.sleep(STEP_S)
                     if b % 5 == 0:
                         say("STEP", state.epoch, b, peer.generation)

@@ -14,8 +14,9 @@ environment tells a peer which interface to use.
 
 :meth:`Hosts.cut` partitions one host from everything (a silent drop: a ``pfifo limit 0``
 qdisc on both ends of its veth, else the link taken down), :meth:`Hosts.cut_from_peers`
-from the other hosts only (etcd, on the bridge, stays reachable); :meth:`Hosts.heal` undoes
-either.
+from the other hosts only (etcd, on the bridge, stays reachable), :meth:`Hosts.cut_from_etcd`
+from the bridge's own addresses only (etcd; the other hosts stay reachable);
+:meth:`Hosts.heal` undoes any of them.
 Everything is created under fresh random names; :meth:`Hosts.close` kills what still runs
 inside the namespaces and deletes them, the links and the bridge.
 """
@@ -54,7 +55,9 @@ class Host:
     ip4: str
     ip6: str
     hosts_file: str
-    cut_mode: str = ""  # "" while not cut; "drop" or "down" (cut), "peers" (cut_from_peers)
+    # "" while not cut; "drop" or "down" (cut), "peers" (cut_from_peers), "etcd"
+    # (cut_from_etcd)
+    cut_mode: str = ""
 
     def exec_args(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host: its network, hostname and /etc/hosts (same PID)."""
@@ -212,8 +215,39 @@ class Hosts:
         run_cmd(*f, "protocol", "ipv6", "prio", "4", "u32", "match", "ip6", side, sub6,
                 "flowid", "1:20")
 
+    def cut_from_etcd(self, h: Host) -> None:
+        """Partition ``h`` from the bridge's own addresses (where etcd listens) but not from
+        the other hosts: a silent drop of its traffic to and from those addresses only (an
+        htb qdisc whose u32 filters send it to a ``pfifo limit 0`` class on both ends of its
+        veth). Raises :class:`NetnsUnavailable` where the kernel lacks them."""
+        inside = ("ip", "netns", "exec", h.netns)
+        try:
+            self._drop_bridge(inside, h.ns_if, "dst")
+            self._drop_bridge((), h.host_if, "src")
+        except RuntimeError as exc:
+            run_cmd(*inside, "tc", "qdisc", "del", "dev", h.ns_if, "root", check=False)
+            run_cmd("tc", "qdisc", "del", "dev", h.host_if, "root", check=False)
+            raise NetnsUnavailable(f"cutting a host from etcd with tc failed: {exc}") from exc
+        h.cut_mode = "etcd"
+
+    def _drop_bridge(self, where: tuple[str, ...], dev: str, side: str) -> None:
+        tc = (*where, "tc")
+        run_cmd(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        for cls in ("1:10", "1:20"):
+            run_cmd(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb",
+                    "rate", "10gbit")
+        run_cmd(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo",
+                "limit", "0")
+        f = (*tc, "filter", "add", "dev", dev, "parent", "1:")
+        if self.ipv4:
+            run_cmd(*f, "protocol", "ip", "prio", "1", "u32", "match", "ip", side,
+                    f"{self.bridge_ip4}/32", "flowid", "1:20")
+        if self.ipv6:
+            run_cmd(*f, "protocol", "ipv6", "prio", "2", "u32", "match", "ip6", side,
+                    f"{self.bridge_ip6}/128", "flowid", "1:20")
+
     def heal(self, h: Host) -> None:
-        if h.cut_mode in ("drop", "peers"):
+        if h.cut_mode in ("drop", "peers", "etcd"):
             run_cmd("ip", "netns", "exec", h.netns, "tc", "qdisc", "del", "dev", h.ns_if, "root")
             run_cmd("tc", "qdisc", "del", "dev", h.host_if, "root")
         elif h.cut_mode == "down":
