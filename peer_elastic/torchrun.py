@@ -353,7 +353,8 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                             kv.mod_revision if kv is not None else 0, lease=lease_id):
                         self._client.revoke(lease_id)
                         continue
-                self._keeper.keep(lease_id, self._run_ttl, self._job_lease_lost)
+                self._keeper.keep(lease_id, self._run_ttl, self._job_lease_lost,
+                                  refresh_now=True)  # adopted: it may be near its end
                 self._job_lease = lease_id
                 return lease_id
             raise EtcdError(f"could not agree on a job lease under {self._prefix}")

@@ -125,3 +125,26 @@ def test_forget_removes_a_lease_from_its_lane() -> None:
         assert keeper.scheduled(8) == 0
     finally:
         keeper.stop()
+
+
+def test_a_lease_adopted_near_its_end_is_refreshed_at_once(etcd: str) -> None:
+    """A run lease adopted from peers that died a while ago (a whole job restarted, slow to
+    start) may have less than TTL/3 left: its first refresh cannot wait TTL/3 (real etcd)."""
+    from peer_elastic.etcd.client import EtcdClient
+
+    client = EtcdClient(etcd)
+    keeper = LeaseKeeper(client, name="adopted")
+    lost: list[int] = []
+    try:
+        lease = client.grant(6)  # refreshed every 2 s once kept
+        deadline = time.monotonic() + 30
+        while client.lease_ttl(lease) > 1:  # granted by a peer that then died
+            assert time.monotonic() < deadline, "the lease never ran down"
+            time.sleep(0.1)
+        keeper.keep(lease, 6, lambda lid, why: lost.append(lid), lane=Lane.RUN,
+                    refresh_now=True)
+        time.sleep(3.0)  # past its end, had the first refresh waited 2 s
+        assert client.lease_ttl(lease) > 0 and not lost
+    finally:
+        keeper.stop()
+        client.close()

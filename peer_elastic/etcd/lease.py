@@ -76,7 +76,7 @@ class _RefreshThread:
         self._stopped = threading.Event()
         self.thread = threads.start(self._run, name)
 
-    def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost) -> None:
+    def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost, refresh_now: bool) -> None:
         with self.lock:
             kept = self.leases.get(lease_id)
             if kept is not None:
@@ -84,7 +84,8 @@ class _RefreshThread:
                 return
             kept = _Kept(ttl_s, [on_lost], time.monotonic())
             self.leases[lease_id] = kept
-            heapq.heappush(self.heap, _Due(time.monotonic() + kept.interval, lease_id))
+            first = 0.0 if refresh_now else kept.interval
+            heapq.heappush(self.heap, _Due(time.monotonic() + first, lease_id))
         self._wake.set()
 
     def forget(self, lease_id: int, on_lost: OnLost | None) -> bool:
@@ -204,8 +205,10 @@ class LeaseKeeper:
         self._stopped = False
 
     def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost,
-             lane: Lane = Lane.MEMBER) -> None:
-        """Start refreshing ``lease_id`` (first refresh after TTL/3) in ``lane``.
+             lane: Lane = Lane.MEMBER, refresh_now: bool = False) -> None:
+        """Start refreshing ``lease_id`` (first refresh after TTL/3; at once with
+        ``refresh_now``: a lease granted by someone else, such as a run lease adopted from a
+        peer that died, may have less than TTL/3 left) in ``lane``.
 
         Keeping a lease that is already kept (members of one process share the run lease)
         only adds ``on_lost``: the lease is refreshed once, until every keeper forgot it.
@@ -215,7 +218,7 @@ class LeaseKeeper:
             if refresher is None:
                 refresher = _RefreshThread(self._client, f"{self._name}:{lane.value}")
                 self._threads[lane] = refresher
-        refresher.keep(lease_id, ttl_s, on_lost)
+        refresher.keep(lease_id, ttl_s, on_lost, refresh_now)
 
     def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
         """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
