@@ -35,8 +35,18 @@ class FakeWrites:
         self.written = written
         self.calls: list[tuple] = []
 
+    settled_at = 0.0  # what etcd_settled_at says
+    recheck_reveals: float | None = None  # what a fresh read of etcd would make it say
+    rechecks = 0
+
     def etcd_settled_at(self) -> float:
-        return 0.0
+        return self.settled_at
+
+    def recheck_etcd_settled_at(self) -> float:
+        self.rechecks += 1
+        if self.recheck_reveals is not None:
+            self.settled_at = self.recheck_reveals
+        return self.settled_at
 
     def event(self, kind, detail="", member_id=None, generation=0):  # noqa: ANN001, ANN201
         self.calls.append(("event", kind))
@@ -120,6 +130,28 @@ def test_silent_members_are_dropped_after_join_timeout_and_their_leases_revoked(
     la.step(s, 100.0 + timeout)
     assert wa.calls == [("generation", 3, ("a-1", "c-1"), 1000.0), ("revoke", 11)]
     assert la.stats["dropped"] == 1
+
+
+def test_an_election_the_writer_had_not_heard_of_drops_nobody() -> None:
+    """A member's ack stalled in an etcd leader election that the writer's own connection
+    did not see: before dropping on the clock alone, the writer reads etcd once, learns of
+    the election (a new raft term), and waits for etcd to settle instead."""
+    s = snap(["a-1", "b-1", "c-1"], gen=(2, ["a-1", "b-1", "c-1"]), ready=["a-1", "c-1"])
+    la, wa = leader()
+    timeout = s.run.config.join_timeout_s
+    la.step(s, 100.0)
+    assert wa.rechecks == 0  # nobody silent: no read
+    wa.recheck_reveals = 100.0 + timeout + 4.0  # settled 4 s after the read
+    assert la.step(s, 100.0 + timeout) == pytest.approx(100.0 + 2 * timeout + 4.0)
+    assert wa.rechecks == 1 and wa.calls == []  # b-1 is not dropped
+    lb, wb = leader("b-1")  # a non-writer never reads
+    lb.step(s, 100.0)
+    lb.step(s, 100.0 + timeout)
+    assert wb.rechecks == 0
+    # Silent past the settled etcd: dropped (the read finds nothing new this time).
+    wa.recheck_reveals = None
+    la.step(s, 100.0 + 2 * timeout + 4.0)
+    assert wa.calls[0] == ("generation", 3, ("a-1", "c-1"), 1000.0)
 
 
 def test_elastic_timeout_fails_the_run_on_the_fake_clock() -> None:

@@ -37,7 +37,7 @@ from peer_elastic.etcd.roster import (
     roster_bytes,
     silent_members,
 )
-from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.etcd.view import Member, ViewSnapshot
 from peer_elastic.etcd.writer import Written
 from peer_elastic.records import DoneCause, JobConfig
 
@@ -54,6 +54,8 @@ class LeaderWrites(Protocol):
     member_id: str
 
     def etcd_settled_at(self) -> float: ...
+
+    def recheck_etcd_settled_at(self) -> float: ...
 
     def event(self, kind: str, detail: str = "", member_id: str | None = None,
               generation: int = 0) -> None: ...
@@ -72,6 +74,17 @@ class LeaderWrites(Protocol):
                          silent: Mapping[str, str] | None = None) -> Written: ...
 
     def revoke(self, lease_id: int) -> None: ...
+
+
+def _writer(snap: ViewSnapshot, eligible: list[Member], silent: Mapping[str, str]) -> str | None:
+    """Who writes: the oldest eligible member that is not itself silent, so a silent leader
+    is replaced by the next-oldest."""
+    if not eligible:
+        # Every member is drained (``peer-elastic drain --all``): someone must still write
+        # the empty roster that lets them all leave together, so the oldest live member
+        # does (the plan can then only be that empty roster).
+        return next((m.id for m in snap.by_age if m.id not in silent), None)
+    return next((m.id for m in eligible if m.id not in silent), None)
 
 
 class Leader:
@@ -133,16 +146,19 @@ class Leader:
         self._check_elastic_timeout(snap, len(eligible), cfg, now)
         n = snap.generation_number
         settled = self.writer.etcd_settled_at()
-        silent = silent_members(snap, self._gen_seen_at.get(n), cfg.join_timeout_s, now,
-                                settled, self._broken_seen_at.get(n), deaths)
-        # The writer is the oldest eligible member that is not itself silent, so a silent
-        # leader is replaced by the next-oldest.
-        writer = next((m.id for m in eligible if m.id not in silent), None)
-        if not eligible:
-            # Every member is drained (``peer-elastic drain --all``): someone must still write
-            # the empty roster that lets them all leave together, so the oldest live member
-            # does (the plan can then only be that empty roster).
-            writer = next((m.id for m in snap.by_age if m.id not in silent), None)
+        ready_since, alive_since = self._gen_seen_at.get(n), self._broken_seen_at.get(n)
+        silent = silent_members(snap, ready_since, cfg.join_timeout_s, now, settled,
+                                alive_since, deaths)
+        writer = _writer(snap, eligible, silent)
+        if writer == self.writer.member_id and any(m not in (deaths or {}) for m in silent):
+            # Silence by the clock alone may be an etcd election this member has not heard
+            # of yet (the acks stalled in it): the writer asks etcd once before acting on it.
+            rechecked = self.writer.recheck_etcd_settled_at()
+            if rechecked != settled:
+                settled = rechecked
+                silent = silent_members(snap, ready_since, cfg.join_timeout_s, now, settled,
+                                        alive_since, deaths)
+                writer = _writer(snap, eligible, silent)
         if writer != self.writer.member_id:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None

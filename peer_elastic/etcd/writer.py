@@ -73,6 +73,21 @@ class RunWriter:
             return 0.0
         return self.client.disrupted_at + 2 * self.client.timeout_s
 
+    def recheck_etcd_settled_at(self) -> float:
+        """:meth:`etcd_settled_at` after one fresh read of etcd.
+
+        The client hears of an etcd leader election only from a response (a new raft term
+        in its header) or a failure of its own; a leader whose connection was unaffected
+        and who sent nothing since may not know yet. The read tells it: it waits out an
+        election still under way and answers with the new term, or fails (a disruption
+        too). Asked before dropping a member for silence, which an election can fake.
+        """
+        try:
+            self.client.get(self.keys.run_key)
+        except EtcdError:
+            pass  # the client noted the failure as a disruption
+        return self.etcd_settled_at()
+
     # -- this member's own records ----------------------------------------------------------------
 
     def ack(self, kind: AckKind, generation: int, member_lease: int, detail: str = "") -> None:
