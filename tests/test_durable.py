@@ -463,3 +463,28 @@ def test_an_unreadable_snapshot_directory_means_no_snapshot(
 
     monkeypatch.setattr(os, "listdir", refuse)
     assert directory.names() == [] and directory.newest_complete() is None
+
+
+def test_a_failed_load_leaves_a_holder_with_what_it_held(
+        tmp_path: Path, one_rank_group: None) -> None:
+    """A peer that holds trained state loads a newer snapshot that turns out corrupt: the
+    group keeps the state that peer held, so the failed load must leave it exactly so."""
+    directory = SnapshotDir(tmp_path, "job-a")
+    writer = SnapshotWriter(directory, every_s=300, keep=3)
+    state = make_state(0)
+    train_a_little(state)
+    assert writer.offer(state, info_at(4, 9), force=True) and writer.wait_idle(60)
+    bad = directory.names()[-1]
+    data = next(p for p in directory.snapshot_path(bad).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    holder = make_state(3)
+    train_a_little(holder)  # its last commit ...
+    holder.metric += 5  # ... and live steps after it
+    held = fingerprint(holder)
+    claim = Claim(StateVersion(4, 2, 1, 1), False, bad.version, 0)
+    assert resume(holder, directory, 6, torch.device("cpu"), [claim]) is None
+    assert same(fingerprint(holder), held)
+    holder.restore()  # its restore point is what it held too
+    assert same(fingerprint(holder), held)

@@ -17,8 +17,8 @@ call of the same state agreement, so every rank takes the same path:
    collective waits for it (so ``collective_timeout_s`` bounds each round, not the load).
    A loader that dies breaks the round, and the group re-forms as after any death.
 4. If the load failed (a corrupt file, a model that does not match), every rank skips that
-   snapshot and goes back to 1 without it; the loader's live state goes back to its last
-   commit first, so a partial load never survives. A snapshot whose files do not match
+   snapshot and goes back to 1 without it; the loader's live state goes back to what it held
+   (saved as its restore point before the load), so a partial load never survives. A snapshot whose files do not match
    their manifest is set aside (renamed), never to be chosen or kept again.
 5. The loader is the sync source of the ordinary state sync, which hands the state to the
    others (any world size: the state is replicated, the sampler re-partitions). The resumed
@@ -147,7 +147,12 @@ def resume(state: Any, directory: SnapshotDir, generation: int, device: torch.de
         sid = SnapshotId(*best)
         loader = offers.index(best)
         with directory.reading(sid) as renew:
-            load = _start_load(state, directory, sid) if rank == loader else None
+            load = None
+            if rank == loader:
+                # The live state becomes the restore point first: a failed load goes back to
+                # exactly what this rank held (it may hold trained state the group keeps).
+                state.save()
+                load = _start_load(state, directory, sid)
             failed = _wait_in_rounds(load, device, sid, renew)
         if load is not None:
             if load.error is None and load.manifest is not None:

@@ -540,12 +540,18 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
     dist.all_gather(gathered, mine)
     claims = [Claim.from_ints(t.tolist()) for t in gathered]
     resumed = None
-    if resume is not None and should_resume(claims):
+    tried = resume is not None and should_resume(claims)
+    if tried:
         resumed = resume(claims)  # every rank decides the same: the claims are the same list
     agreement = resumed or agree(claims)
     if resumed is None and not agreement.version.trained:
         # The script's initial state: a new lineage, above every one the group knows of.
         agreement = Agreement(agreement.source, StateVersion(lineage=new_lineage(claims)))
+    elif tried and resumed is None and agreement.source is None:
+        # No snapshot loaded, and every rank holds the same version: a failed load moved
+        # its loader's restore point to its live state, so every rank saves (after a sync
+        # that changes nothing) and the restore point's version is the agreed one everywhere.
+        agreement = Agreement(0, agreement.version)
     if agreement.source is None:
         return agreement
     if len({c.version for c in claims}) > 1:
