@@ -70,7 +70,7 @@ def test_killing_every_holder_of_the_state_while_a_standby_lives_is_reported(
         result = runner.finish()
         assert not runner.verify(result), runner.verify(result)
         assert result["states_lost"] == 1, result  # the standby, now rank 0, counted it
-        lost = [line for line in standby.proc.lines if "holds the run's training state" in line]
+        lost = [line for line in standby.proc.lines if "holds the run's newest training state" in line]
         assert lost and "ERROR" in lost[0] and "snapshot_dir" in lost[0], standby.tail(30)
         events = runner.cli("events")
         assert "state_lost" in events and "commits" in events, events

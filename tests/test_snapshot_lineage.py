@@ -45,7 +45,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
     """Poll a condition on files or output (bounded); fail with the peers' output."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        if time.monotonic() > deadline or all(p.proc.poll() is not None for p in peers):
+        ended = bool(peers) and all(p.proc.poll() is not None for p in peers)
+        if time.monotonic() > deadline or ended:
             raise AssertionError(f"no {what}:\n" + "\n".join(p.output() for p in peers))
         time.sleep(0.1)
 
