@@ -82,6 +82,14 @@ def same(a: list, b: list) -> bool:
             and torch.equal(a[1], b[1]) and a[2:] == b[2:])
 
 
+def flip_a_byte(directory: SnapshotDir, sid: SnapshotId) -> None:
+    """One byte of ``sid``'s tensor file flipped: same size, so only the checksum tells."""
+    data = next(p for p in directory.snapshot_path(sid).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
 def write_one(writer: SnapshotWriter, state: pe.TorchState) -> None:
     assert writer.offer(state, INFO, force=True)
     assert writer.wait_idle(60)
@@ -183,10 +191,7 @@ def test_torn_and_corrupt_snapshots_are_skipped(tmp_path: Path) -> None:
         write_one(writer, state)
     oldest, middle, newest = directory.names()
     # newest: one byte of its tensor file flipped (same size: only the checksum sees it)
-    data = next(p for p in directory.snapshot_path(newest).iterdir() if p.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_a_byte(directory, newest)
     assert directory.complete(newest)  # looks complete ...
     with pytest.raises(CorruptSnapshot, match="checksum"):
         directory.verify(newest)  # ... but is not
@@ -410,10 +415,7 @@ def test_a_corrupt_snapshot_is_set_aside_and_never_the_one_kept(
     assert writer.offer(state, info_at(1, 2), force=True) and writer.wait_idle(60)
     os.rename(directory.path / "keep", directory.snapshot_path(good))
     bad = directory.names()[-1]
-    data = next(p for p in directory.snapshot_path(bad).iterdir() if p.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_a_byte(directory, bad)
     fresh = make_state(5)
     agreement = resume(fresh, directory, 7, torch.device("cpu"),
                        [Claim(StateVersion(), True, None, 11)])
@@ -475,10 +477,7 @@ def test_a_failed_load_leaves_a_holder_with_what_it_held(
     train_a_little(state)
     assert writer.offer(state, info_at(4, 9), force=True) and writer.wait_idle(60)
     bad = directory.names()[-1]
-    data = next(p for p in directory.snapshot_path(bad).iterdir() if p.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_a_byte(directory, bad)
     holder = make_state(3)
     train_a_little(holder)  # its last commit ...
     holder.metric += 5  # ... and live steps after it
