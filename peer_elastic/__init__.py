@@ -21,6 +21,7 @@ from peer_elastic.errors import (  # noqa: E402
     LeaveRequested,
     PeerElasticError,
     ResetLimitExceeded,
+    ShardedStateLost,
 )
 
 _LAZY = {
@@ -31,6 +32,8 @@ _LAZY = {
     "State": "peer_elastic.state",
     "ObjectState": "peer_elastic.state",
     "TorchState": "peer_elastic.state",
+    "ShardedState": "peer_elastic.sharded",
+    "sum_gradients": "peer_elastic.sharded",
     "StateHandler": "peer_elastic.state",
     "register_handler": "peer_elastic.state",
     "ElasticSampler": "peer_elastic.sampler",
@@ -49,6 +52,7 @@ __all__ = [
     "LeaveRequested",
     "PeerElasticError",
     "ResetLimitExceeded",
+    "ShardedStateLost",
     *_LAZY,
 ]
 

@@ -51,6 +51,8 @@ from peer_elastic.liveness import TrainingWatch
 from peer_elastic.lost_state import StateMarker, lost_state
 from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
+from peer_elastic.sharded.regroup import regroup
+from peer_elastic.sharded.state import ShardedState
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
@@ -241,11 +243,13 @@ class Peer:
             with self._liveness.collective():
                 state.merge_progress()
         if committing:
+            if isinstance(state, ShardedState):
+                state.expect_save(self._live.committed())  # its shards carry their version
             state.record_commit()
             self._live = self._committed = self._live.committed()
             if group.assignment.rank == 0:
                 self._marker.committed(self._committed.commits, group.generation)
-                if self.snapshots is not None:
+                if self.snapshots is not None and not isinstance(state, ShardedState):
                     self.snapshots.after_commit(state, self._snapshot_info(self._committed))
         if reset:
             newest = snap.generation
@@ -310,6 +314,13 @@ class Peer:
                 except HostsUpdatedInterrupt as exc:
                     log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
                     after = self.generation
+                    if isinstance(state, ShardedState):
+                        try:
+                            self._hand_off(state)
+                        except Exception as failure:
+                            if not is_collective_failure(failure):
+                                raise
+                            self._on_collective_failure(state, failure)
                     continue
                 except PeerElasticError:
                     raise
@@ -328,6 +339,18 @@ class Peer:
         finally:
             state.attach(None)
             self._state = None
+
+    def _hand_off(self, state: ShardedState) -> None:
+        """The group is about to be replaced and still works: save the live sharded state
+        with every leaving rank's shard copied to ranks that stay (a leaver's shard must
+        outlive it; a joiner gets its rows from the holders when the next group forms)."""
+        snap = self.coordinator.snapshot()
+        newest = snap.generation
+        leaving = newest is not None and newest.number > self.generation \
+            and self.coordinator.member_id not in snap.roster_ids()
+        with self._liveness.collective():
+            state.hand_off(self._live, leaving)
+        self._committed = self._live
 
     def _on_collective_failure(self, state: Any, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
@@ -425,8 +448,11 @@ class Peer:
             return resume_from_snapshot(claims) if resume_from_snapshot is not None else None
 
         claim = Claim(self._live, need, newest_snapshot, time.time_ns())
-        agreement = agree_and_sync(state, claim, self.device, resume,
-                                   committed=self._committed)
+        if isinstance(state, ShardedState):
+            agreement, resumed = regroup(state, claim, self.device, self.generation, None)
+        else:
+            agreement = agree_and_sync(state, claim, self.device, resume,
+                                       committed=self._committed)
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
         self._report_lost_state(agreement.version, held=not resumed)
@@ -460,6 +486,8 @@ class Peer:
         writes one too: it cannot know whether anyone goes on, and it costs one write."""
         if self.snapshots is None or self._group is None or self._group.assignment.rank != 0:
             return
+        if isinstance(state, ShardedState):
+            return  # every rank writes its shard; a leaver's shard went to the ranks that stay
         if self.snapshots.final(state, self._snapshot_info(self._live)):
             log.warning("final snapshot written before leaving")
         else:

@@ -83,6 +83,11 @@ class ResetLimitExceeded(PeerElasticError):
     """The job reset more often than ``reset_limit`` allows."""
 
 
+class ShardedStateLost(PeerElasticError):
+    """A group holds shards of trained sharded state but not every shard of any version,
+    and no durable snapshot loaded: more peers died at once than the redundancy covers."""
+
+
 class JobFinished(PeerElasticError):
     """The job's run already ended (its ``done`` record exists).
 

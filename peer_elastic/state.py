@@ -269,7 +269,10 @@ class TorchState(ObjectState):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
-        values = {"model": model, "optimizer": optimizer, **kwargs}
+        self._adopt_values({"model": model, "optimizer": optimizer, **kwargs})
+
+    def _adopt_values(self, values: dict[str, Any]) -> None:
+        """Give every value with a handler to it, and keep the rest as plain values."""
         _check_names(type(self), values)
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}

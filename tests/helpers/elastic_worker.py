@@ -82,6 +82,16 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   namespaces included) before its forward pass and after its optimizer steps, so a test can
   order batches of different peers by when they ran rather than by when it read the lines.
 
+* ``WORKER_SHARDED=fsdp`` or ``hsdp:<degree>`` (optionally ``,redundancy=<k>``): the model
+  (the counter and the small network) is a :class:`pe.ShardedState` sharded with FSDP2
+  (``fully_shard`` per submodule, summed gradients), rebuilt by peer-elastic for every
+  generation; the counter is ``(samples, epochs)`` so its rows split over the ranks, and the
+  network's optimizer state is Adam's, sharded too (one optimizer: plain SGD with lr 1 for
+  the counter's group, Adam for the network's). The digest is of the gathered state.
+  ``WORKER_COMMIT_DIGEST=1``: every commit also prints ``COMMITTED <commits> <digest>`` (a
+  collective gather: test-only), so a test can compare the state a reset resharded with the
+  commit it came from.
+
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
 holds (the model's counts and the sampler's progress come from the same snapshot, so the
@@ -129,6 +139,8 @@ END_FILE = os.environ.get("WORKER_END_FILE")
 STACKS_AFTER_S = float(os.environ.get("WORKER_STACKS_AFTER_S", "0"))
 STEP_TIMES = os.environ.get("WORKER_STEP_TIMES") == "1"
 RESULT_PATH = os.environ.get("WORKER_RESULT")
+SHARDED = os.environ.get("WORKER_SHARDED", "")
+COMMIT_DIGEST = os.environ.get("WORKER_COMMIT_DIGEST") == "1"
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
@@ -315,7 +327,88 @@ class Both(nn.Module):
         return self.counter(idx), self.net(x)
 
 
+class ShardedCounter(nn.Module):
+    """The counter with samples on dim 0, so FSDP splits its rows over the ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = nn.Parameter(torch.zeros(N, EPOCHS, dtype=torch.float64))
+
+    def forward(self, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        return self.counts[idx, epoch]
+
+
+class ShardedBoth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = ShardedCounter()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, idx: torch.Tensor, x: torch.Tensor, epoch: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.counter(idx, epoch), self.net(x)
+
+
+class CountingAdam(torch.optim.Adam):
+    """Adam, except for parameter groups marked ``counting``: plain SGD with lr 1 (exact
+    counts in float64). Their gradients are used and cleared first, so Adam skips them."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            for group in self.param_groups:
+                if group.get("counting"):
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-1.0)
+                            p.grad = None
+        return super().step(closure)
+
+
+def sharded_parts() -> dict[str, object]:
+    """ShardedState's builders for WORKER_SHARDED."""
+    from torch.distributed.fsdp import fully_shard
+
+    kind, _, rest = SHARDED.partition(":")
+    degree_s, _, extra = rest.partition(",")
+    redundancy = int(extra.split("=", 1)[1]) if extra.startswith("redundancy=") else 1
+    if kind not in ("fsdp", "hsdp"):
+        raise SystemExit(f"WORKER_SHARDED={SHARDED!r}: expected fsdp or hsdp:<degree>")
+
+    def parallelize(model: nn.Module, mesh: object) -> nn.Module:
+        fully_shard(model.counter, mesh=mesh)
+        fully_shard(model.net, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return pe.sum_gradients(model)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return CountingAdam([{"params": model.counter.parameters(), "counting": True},
+                             {"params": model.net.parameters()}], lr=1e-2)
+
+    return {"model": ShardedBoth, "parallelize": parallelize, "optimizer": optimizer,
+            "shard_degree": int(degree_s) if kind == "hsdp" else None,
+            "redundancy": redundancy}
+
+
+def sharded_digest(state: pe.ShardedState) -> str:
+    """Digest of the gathered state (collective: every rank calls it at the same point)."""
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    tensors = [t for _, t in sorted(state.model.state_dict().items())]
+    for _, p in state.model.named_parameters():
+        tensors += [v for _, v in sorted(state.optimizer.state.get(p, {}).items())]
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    h.update(repr((state.epoch, getattr(state, "steps", None),
+                   getattr(state, "samples", None))).encode())
+    return h.hexdigest()
+
+
 def digest(state: pe.TorchState) -> str:
+    if SHARDED:
+        return sharded_digest(state)  # type: ignore[arg-type]
     h = hashlib.sha256()
     for t in [*state.model.state_dict().values(), *state.net.state_dict().values()]:
         h.update(t.detach().contiguous().numpy().tobytes())
@@ -363,15 +456,18 @@ def _main(stall_stacks: StallStacks | None) -> int:
     with pe.join() as peer:
         sampler = pe.ElasticSampler(range(N), shuffle=True, seed=1, pad=False,
                                     record_all_ranks=RECORD != "local")
-        counter = Counter()
-        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        sgd = torch.optim.SGD(counter.parameters(), lr=1.0)
-        adam = torch.optim.Adam(net.parameters(), lr=1e-2)
-        if not USE_DDP:
-            sgd, adam = pe.DistributedOptimizer(sgd), pe.DistributedOptimizer(adam)
         plain = {"steps": 0, "samples": 0.0} if PLAIN else {}
-        state = pe.TorchState(model=counter, optimizer=sgd, net=net, adam=adam, sampler=sampler,
-                              epoch=0, **plain)
+        if SHARDED:
+            state = pe.ShardedState(**sharded_parts(), sampler=sampler, epoch=0, **plain)
+        else:
+            counter = Counter()
+            net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            sgd = torch.optim.SGD(counter.parameters(), lr=1.0)
+            adam = torch.optim.Adam(net.parameters(), lr=1e-2)
+            if not USE_DDP:
+                sgd, adam = pe.DistributedOptimizer(sgd), pe.DistributedOptimizer(adam)
+            state = pe.TorchState(model=counter, optimizer=sgd, net=net, adam=adam,
+                                  sampler=sampler, epoch=0, **plain)
         seen_sizes: list[int] = []
         holder: dict[str, nn.Module] = {}
         loaders: list[object] = []  # WORKER_LOADER_WORKERS: iterators, their workers alive
@@ -395,6 +491,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
         state.register_reset_callbacks(callbacks)
 
         def train(state: pe.TorchState) -> dict:
+            if SHARDED:
+                return train_sharded(state)  # type: ignore[arg-type]
             world = dist.get_world_size()
             say("GEN", peer.generation, peer.rank, world)
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
@@ -505,6 +603,81 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 result["steps"] = state.steps
                 result["samples"] = state.samples
                 # the plain value must belong to the same commit as the model
+                result["plain_ok"] = state.samples == float(counts.sum())
+            return result
+
+        def train_sharded(state: pe.ShardedState) -> dict:
+            world = dist.get_world_size()
+            model, opt = state.model, state.optimizer
+            say("GEN", peer.generation, peer.rank, world)
+            say("START", state.epoch, state.sampler.processed_count, state.commit_count)
+            while state.epoch < EPOCHS and not (state.sampler.processed_count == 0
+                                                and end_requested()):
+                shard = list(iter(state.sampler))
+                nb = torch.tensor([math.ceil(len(shard) / BS)])
+                dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
+                for b in range(int(nb)):
+                    if stall_stacks is not None:
+                        stall_stacks.beat()
+                    maybe_stall(state.epoch, b, peer.rank, peer.generation)
+                    idx = torch.tensor(shard[b * BS:(b + 1) * BS], dtype=torch.int64)
+                    opt.zero_grad()
+                    x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
+                    counts, y = model(idx, x, state.epoch)
+                    loss = -counts.sum()  # summed gradients: every sample adds exactly 1
+                    loss2 = ((y - 0.5) ** 2).sum() * (len(idx) > 0)
+                    (loss + loss2).backward()
+                    opt.step()
+                    if PLAIN:
+                        state.steps += 1
+                        trained = torch.tensor([float(len(idx))], dtype=torch.float64)
+                        dist.all_reduce(trained)  # every rank's batch: a global count
+                        state.samples += float(trained.item())
+                    if RECORD == "indices":
+                        state.sampler.record_indices(idx)
+                    else:
+                        state.sampler.record_batch(b, BS)
+                    time.sleep(STEP_S)
+                    if b % 5 == 0:
+                        say("STEP", state.epoch, b, peer.generation)
+                    if (b + 1) % COMMIT_EVERY == 0:
+                        state.commit()
+                        peer.record_progress(epoch=state.epoch, batch=b, step=state.commit_count)
+                        if COMMIT_DIGEST:
+                            say("COMMITTED", state.commit_count, digest(state))
+                    elif CHECK_EVERY and (b + 1) % CHECK_EVERY == 0:
+                        state.check_host_updates()
+                state.epoch += 1
+                state.sampler.set_epoch(state.epoch)
+                state.commit()
+            digests = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
+            counts = model.counter.counts.full_tensor().detach().t()
+            trained = state.epoch
+            want = torch.zeros_like(counts)
+            want[:trained] = 1.0
+            wrong = counts != want
+            result = {
+                "exact": bool(not wrong.any()),
+                "min": float(counts[:trained].min()) if trained else 0.0,
+                "max": float(counts.max()),
+                "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
+                "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
+                                   if w},
+                "epochs": trained,
+                "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
+                "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
+                "reset_sizes": seen_sizes,
+                "check_exchanges": peer.stats.check_exchanges,
+                "checks_spaced": peer.stats.checks_spaced,
+                "states_lost": peer.stats.states_lost,
+                "snapshots_written": peer.stats.snapshots_written,
+                "snapshots_failed": peer.stats.snapshots_failed,
+                "layout": [state.layout.replicas, state.layout.shards] if state.layout else None,
+            }
+            if PLAIN:
+                result["steps"] = state.steps
+                result["samples"] = state.samples
                 result["plain_ok"] = state.samples == float(counts.sum())
             return result
 

@@ -1,0 +1,187 @@
+"""A new group takes over sharded state: agree where it lives, then reshard it in memory.
+
+Collective over the new default group, called by the run loop instead of the replicated
+state's agree-and-sync:
+
+1. One all-gather of every rank's :class:`~peer_elastic.agreement.Claim` and
+   :class:`~peer_elastic.sharded.plan.Holding` (a few dozen integers each).
+2. Every rank applies :func:`~peer_elastic.sharded.plan.choose_restore` to the same list: the
+   newest version whose every shard some rank still holds. The ranks holding it count as
+   trained for :func:`~peer_elastic.agreement.should_resume`, the others not, so a group that
+   lost more shards than the redundancy covers loads the newest durable snapshot, exactly as
+   a replicated group that lost every holder.
+3. In memory: the sync source (the lowest rank holding the version) sends the catalog (names,
+   shapes, hyperparameters); every rank builds a fresh module on the new mesh; each needed
+   row range travels once, from a holder to its new owner (:func:`~peer_elastic.sharded.plan.plan_moves`);
+   replicated tensors and the other state (sampler, plain values) come from the source.
+4. The result is saved (own shard plus copies in the new layout) before training goes on.
+
+A group that holds shards of trained state but not all of any version, and has no snapshot
+to load, stops with :class:`~peer_elastic.errors.ShardedStateLost`: never a silent restart
+from the initial weights, never a model assembled from two versions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from peer_elastic.agreement import Agreement, Claim, StateVersion, new_lineage, should_resume
+from peer_elastic.codec import decode_values, encode_values
+from peer_elastic.errors import ShardedStateLost
+from peer_elastic.sharded.catalog import Catalog
+from peer_elastic.sharded.exchange import transfer
+from peer_elastic.sharded.plan import (
+    MAX_HELD,
+    Holding,
+    Layout,
+    RestorePoint,
+    choose_restore,
+    newest_held,
+    plan_moves,
+    rows,
+)
+from peer_elastic.sharded.state import ShardedState
+from peer_elastic.torch.collectives import broadcast_bytes, broadcast_tensors, syncing_from
+
+__all__ = ["regroup"]
+
+log = logging.getLogger(__name__)
+
+Resume = Callable[[Sequence[Claim]], "Agreement | None"]
+
+
+def _encode(holding: Holding) -> list[int]:
+    layout = holding.layout
+    head = [*holding.version.as_ints(),
+            *((layout.generation, layout.world, layout.shards) if layout else (-1, -1, -1)),
+            len(holding.shards)]
+    return head + list(holding.shards) + [-1] * (MAX_HELD - len(holding.shards))
+
+
+def _decode(ints: Sequence[int]) -> Holding:
+    version = StateVersion.from_ints(ints[:4])
+    gen, world, shards, count = ints[4:8]
+    if world < 0:
+        return Holding(version, None, ())
+    if not 0 <= count <= MAX_HELD or world < 1 or shards < 1 or world % shards:
+        raise ValueError(f"malformed shard holding {tuple(ints)}")
+    return Holding(version, Layout(gen, world, shards), tuple(ints[8:8 + count]))
+
+
+def regroup(state: ShardedState, claim: Claim, device: torch.device, generation: int,
+            resume: Resume | None = None) -> tuple[Agreement, bool]:
+    """Give every rank of the new group its shard of the newest complete state.
+
+    Returns the agreement (its source: the rank the other state came from) and whether a
+    durable snapshot was loaded.
+    """
+    holding = state.holding()
+    mine = torch.tensor([*claim.as_ints(), *_encode(holding)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    rows_ints = [t.cpu().tolist() for t in gathered]
+    claims = [Claim.from_ints(r[:Claim.INTS]) for r in rows_ints]
+    holdings = [_decode(r[Claim.INTS:]) for r in rows_ints]
+    point = choose_restore(holdings)
+    held_by = set(point.holders()) if point is not None else set()
+    # Only ranks holding a complete version count as trained: a shard alone is not state.
+    effective = [Claim(point.version if point is not None and r in held_by else StateVersion(),
+                       c.needs_state, c.snapshot, c.proposal) for r, c in enumerate(claims)]
+    layout = state.new_layout(generation)
+    if resume is not None and should_resume(effective):
+        resumed = resume(effective)
+        if resumed is not None:
+            _finish(state, resumed.source or 0, resumed.version)
+            return Agreement(resumed.source or 0, resumed.version), True
+    if point is None:
+        lost = newest_held(holdings)
+        if lost is not None:
+            raise ShardedStateLost(
+                f"sharded state lost: no rank of this group holds every shard of any trained "
+                f"version (the newest held is {lost.commits} commits; held: "
+                f"{_describe(holdings)}) and no durable snapshot loaded. More peers died at "
+                f"once than redundancy={state.redundancy} covers; set snapshot_dir to "
+                "resume from disk in that case")
+        state.build_initial(layout, device)
+        version = StateVersion(lineage=new_lineage(claims))
+        _finish(state, 0, version)
+        return Agreement(0, version), False
+    source = point.holders()[0]
+    _reshard(state, point, layout, device, source)
+    _finish(state, source, point.version)
+    return Agreement(source, point.version), False
+
+
+def _describe(holdings: Sequence[Holding]) -> str:
+    parts = []
+    for rank, h in enumerate(holdings):
+        if h.layout is not None:
+            parts.append(f"rank {rank}: shards {list(h.shards)} of {h.layout.shards} at "
+                         f"{h.version.commits} commits (generation {h.layout.generation})")
+    return "; ".join(parts) or "nothing"
+
+
+def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: torch.device,
+             source: int) -> None:
+    rank = dist.get_rank()
+    with syncing_from(source):
+        if rank == source:
+            catalog = state.saved_catalog()
+            assert catalog is not None
+            payload = encode_values(catalog.describe(), where="ShardedState catalog")
+        else:
+            payload = b""
+        catalog = Catalog.parse(decode_values(broadcast_bytes(payload)))
+    mine_holds = state.holding()
+    if mine_holds.layout == point.layout and mine_holds.version == point.version:
+        own = state.saved_catalog()
+        if own is None or own.layout() != catalog.layout():
+            raise ValueError("this rank's saved shards differ in layout from the sync "
+                             "source's catalog")
+        held = state.held_rows()
+    else:
+        held = {}
+    shard = layout.shard_of(rank)
+    new_rows: list[torch.Tensor] = []
+    for entry in catalog.sharded:
+        lo, hi = rows(entry.rows, layout.shards, shard)
+        new_rows.append(torch.empty((hi - lo, *entry.row_shape), dtype=entry.torch_dtype,
+                                    device=device))
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[torch.Tensor]] = {}
+    for move in plan_moves([e.rows for e in catalog.sharded], point, layout):
+        if move.sender == rank:
+            src = held[move.shard][move.tensor][move.src_rows[0]:move.src_rows[1]]
+            if move.receiver == rank:
+                new_rows[move.tensor][move.dst_rows[0]:move.dst_rows[1]].copy_(src)
+            else:
+                outgoing.setdefault(move.receiver, []).append(src)
+        elif move.receiver == rank:
+            incoming.setdefault(move.sender, []).append(
+                new_rows[move.tensor][move.dst_rows[0]:move.dst_rows[1]])
+    transfer(outgoing, incoming)
+    if rank == source:
+        replicated = [t.clone() for t in state.saved_replicated()]
+    else:
+        replicated = [torch.empty(e.shape, dtype=e.torch_dtype, device=device)
+                      for e in catalog.replicated]
+    with syncing_from(source):
+        broadcast_tensors(replicated)
+    state.rebuild(layout, device, catalog, new_rows, replicated)
+    moved = sum(t.numel() * t.element_size() for ts in incoming.values() for t in ts)
+    log.info("resharded %d tensors from %d x %d to %d x %d shards at %d commits "
+             "(%d bytes received)", len(catalog.sharded), point.layout.replicas,
+             point.layout.shards, layout.replicas, layout.shards, point.version.commits, moved)
+
+
+def _finish(state: ShardedState, source: int, version: StateVersion) -> None:
+    """The rest of the state from the source, then save the agreed version everywhere."""
+    with syncing_from(source):
+        state.sync()
+    state.commit_count = version.commits
+    state.expect_save(version)
+    state.save()

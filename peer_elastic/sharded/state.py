@@ -1,0 +1,285 @@
+"""ShardedState: an FSDP2 / HSDP model and its optimizer as elastic state, kept in memory.
+
+A module sharded with ``fully_shard`` is bound to its mesh, and a mesh to one process group,
+so nothing of it can outlive a generation. What survives is data: at every save (each
+commit, and the state a new group agrees on) each rank keeps a copy of its own shard's rows
+of every parameter and optimizer tensor, and sends them to the ranks that
+:func:`~peer_elastic.sharded.plan.copy_holders` names, so ``redundancy`` ranks may die at
+once without losing a row. When a group forms, :mod:`peer_elastic.sharded.regroup` builds a
+fresh module on the new mesh (``build`` under ``torch.device("meta")``, then the user's
+``parallelize``) and fills it from those copies: no disk, no rank ever holding the full model.
+
+Memory per rank: the live shard, its saved copy and ``redundancy`` copies of other ranks'
+shards (fewer under HSDP, where replicas already hold each shard), plus one message in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from peer_elastic.agreement import StateVersion
+from peer_elastic.sharded.catalog import Catalog, catalog_of, install, live_tensors
+from peer_elastic.sharded.exchange import transfer
+from peer_elastic.sharded.plan import MAX_HELD, Holding, Layout, copy_holders, mesh_shape, rows
+from peer_elastic.state import TorchState
+from peer_elastic.torch.snapshots import Buffers
+
+__all__ = ["ShardedState"]
+
+ModelBuilder = Callable[[], nn.Module]
+Parallelize = Callable[[nn.Module, Any], "nn.Module | None"]
+OptimizerBuilder = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class ShardedState(TorchState):
+    """Training state whose model (and optimizer) is sharded with FSDP2 or HSDP.
+
+    ``model`` builds the unsharded module (called with no arguments: under a fixed seed on a
+    fresh start, so every rank builds the same initial weights, and under
+    ``torch.device("meta")`` whenever state already exists); ``parallelize(module, mesh)``
+    applies ``fully_shard`` for a given ``DeviceMesh`` (the shape of torchtitan's
+    ``parallelize`` functions) and may return the module; ``optimizer(module)`` builds the
+    optimizer over the sharded parameters. peer-elastic calls them for every generation, so
+    read ``state.model`` and ``state.optimizer`` inside the training function.
+
+    ``shard_degree``: None shards over every rank (FSDP, a 1-D mesh named ``("shard",)``); an
+    int S gives HSDP, a 2-D mesh ``("replicate", "shard")`` whose shard size is the smallest
+    divisor of the world size that is at least S (:func:`~peer_elastic.sharded.plan.mesh_shape`).
+    ``redundancy``: how many ranks may die at once without a disk read (copies kept per shard,
+    replicas counted). Every other keyword is a value as in :class:`~peer_elastic.TorchState`
+    (sampler, epoch, ...).
+    """
+
+    def __init__(self, model: ModelBuilder, parallelize: Parallelize,
+                 optimizer: OptimizerBuilder | None = None, *, shard_degree: int | None = None,
+                 redundancy: int = 1, init_seed: int = 0, **kwargs: Any) -> None:
+        if not callable(model) or isinstance(model, nn.Module):
+            raise TypeError("ShardedState(model=...) takes a function that builds the module, "
+                            "not a module: the module is rebuilt for every generation's mesh")
+        if not callable(parallelize):
+            raise TypeError("ShardedState(parallelize=...) must be callable(module, mesh)")
+        if optimizer is not None and (not callable(optimizer)
+                                      or isinstance(optimizer, torch.optim.Optimizer)):
+            raise TypeError("ShardedState(optimizer=...) takes a function of the module that "
+                            "builds the optimizer, not an optimizer")
+        if shard_degree is not None and shard_degree < 1:
+            raise ValueError(f"shard_degree must be at least 1, not {shard_degree}")
+        if redundancy < 0:
+            raise ValueError(f"redundancy must be at least 0, not {redundancy}")
+        object.__setattr__(self, "_build", model)
+        object.__setattr__(self, "_parallelize", parallelize)
+        object.__setattr__(self, "_make_optimizer", optimizer)
+        object.__setattr__(self, "shard_degree", shard_degree)
+        object.__setattr__(self, "redundancy", redundancy)
+        object.__setattr__(self, "init_seed", init_seed)
+        object.__setattr__(self, "_module", None)
+        object.__setattr__(self, "_optim", None)
+        object.__setattr__(self, "_mesh", None)
+        object.__setattr__(self, "_shard_layout", None)  # of the live module
+        # What the last save kept (one version, one layout) and what it was called.
+        object.__setattr__(self, "_own", Buffers())
+        object.__setattr__(self, "_own_replicated", Buffers())
+        object.__setattr__(self, "_saved_catalog", None)
+        object.__setattr__(self, "_saved_version", None)
+        object.__setattr__(self, "_saved_layout", None)
+        object.__setattr__(self, "_saved_shard", -1)
+        object.__setattr__(self, "_copies", {})
+        object.__setattr__(self, "_next_version", StateVersion())
+        self._adopt_values(kwargs)
+
+    # -- what the training function reads ---------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The live sharded module of this generation."""
+        if self._module is None:
+            raise RuntimeError("state.model exists once a group formed: read it inside the "
+                               "training function that peer-elastic runs")
+        return self._module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The live optimizer of this generation (None without an optimizer builder)."""
+        if self._module is None:
+            raise RuntimeError("state.optimizer exists once a group formed: read it inside "
+                               "the training function that peer-elastic runs")
+        return self._optim
+
+    @property
+    def mesh(self) -> Any:
+        """This generation's ``DeviceMesh``."""
+        if self._mesh is None:
+            raise RuntimeError("state.mesh exists once a group formed")
+        return self._mesh
+
+    @property
+    def layout(self) -> Layout | None:
+        """How the live module is sharded (None before the first group)."""
+        return self._shard_layout
+
+    # -- building for a group ---------------------------------------------------------------
+
+    def new_layout(self, generation: int) -> Layout:
+        """The layout this state takes in a group of the default group's size."""
+        world = dist.get_world_size()
+        return Layout(generation, world, mesh_shape(world, self.shard_degree)[1])
+
+    def _mesh_for(self, layout: Layout, device: torch.device) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.shard_degree is None:
+            return init_device_mesh(device.type, (layout.world,), mesh_dim_names=("shard",))
+        return init_device_mesh(device.type, (layout.replicas, layout.shards),
+                                mesh_dim_names=("replicate", "shard"))
+
+    def _assemble(self, module: nn.Module, mesh: Any, layout: Layout) -> None:
+        sharded = self._parallelize(module, mesh)
+        module = sharded if isinstance(sharded, nn.Module) else module
+        optim = self._make_optimizer(module) if self._make_optimizer is not None else None
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_optim", optim)
+        object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_shard_layout", layout)
+
+    def build_initial(self, layout: Layout, device: torch.device) -> None:
+        """Collective: a fresh module on this group's mesh, the same initial weights on every
+        rank (built under ``init_seed``)."""
+        self._drop_live()
+        mesh = self._mesh_for(layout, device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.init_seed)
+            module = self._build()
+        self._assemble(module.to(device), mesh, layout)
+
+    def rebuild(self, layout: Layout, device: torch.device, catalog: Catalog,
+                sharded_rows: list[torch.Tensor], replicated: list[torch.Tensor]) -> None:
+        """Collective: a module on this group's mesh filled with the given rows (this rank's
+        rows of every sharded tensor, in catalog order) and replicated tensors."""
+        self._drop_live()
+        mesh = self._mesh_for(layout, device)
+        with torch.device("meta"):
+            module = self._build()
+        sharded = self._parallelize(module, mesh)
+        module = sharded if isinstance(sharded, nn.Module) else module
+        module.to_empty(device=device)
+        expected = {e.name: e.shape for e in catalog.sharded if e.name.startswith("model/")}
+        built = {f"model/{n}": tuple(p.shape) for n, p in module.named_parameters()}
+        if built != expected:
+            raise ValueError("the model built now differs from the saved one: parameters "
+                             f"{sorted(set(built) ^ set(expected)) or 'of other shapes'}")
+        optim = self._make_optimizer(module) if self._make_optimizer is not None else None
+        install(module, optim, catalog, sharded_rows, replicated)
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_optim", optim)
+        object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_shard_layout", layout)
+
+    def _drop_live(self) -> None:
+        # The old module's DTensors name their group "0" like the new one: a collective on
+        # them would run on the new group with the old layout. Drop them before building.
+        object.__setattr__(self, "_module", None)
+        object.__setattr__(self, "_optim", None)
+        object.__setattr__(self, "_mesh", None)
+
+    # -- what survives a generation ---------------------------------------------------------
+
+    def holding(self) -> Holding:
+        """What the last save left on this rank (its own shard first)."""
+        if self._saved_version is None or self._saved_layout is None:
+            return Holding(StateVersion(), None, ())
+        shards = (self._saved_shard, *sorted(s for s in self._copies if s != self._saved_shard))
+        return Holding(self._saved_version, self._saved_layout, shards[:MAX_HELD])
+
+    def saved_catalog(self) -> Catalog | None:
+        return self._saved_catalog
+
+    def held_rows(self) -> dict[int, list[torch.Tensor]]:
+        """Rows of every sharded tensor (catalog order) by the shard they belong to."""
+        assert self._saved_catalog is not None
+        held = {s: list(rows) for s, rows in self._copies.items()}
+        held[self._saved_shard] = [self._own[i] for i in range(len(self._saved_catalog.sharded))]
+        return held
+
+    def saved_replicated(self) -> list[torch.Tensor]:
+        assert self._saved_catalog is not None
+        return [self._own_replicated[i] for i in range(len(self._saved_catalog.replicated))]
+
+    def expect_save(self, version: StateVersion) -> None:
+        """The version the next :meth:`save` saves (the run loop names it first)."""
+        object.__setattr__(self, "_next_version", version)
+
+    def save(self) -> None:
+        """Keep this rank's shard and send its copies (collective once a group formed)."""
+        if self._module is not None:
+            self._save_shards(self._next_version, ())
+        super().save()
+
+    def hand_off(self, version: StateVersion, leaving: bool) -> None:
+        """Collective in a group that is about to be replaced: save ``version`` (the live
+        state) with the copies of every leaving rank's shard placed on ranks that stay."""
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        flags[dist.get_rank()] = int(leaving)
+        device_flags = flags.to(self._device())
+        dist.all_reduce(device_flags)
+        gone = [r for r, f in enumerate(device_flags.cpu().tolist()) if f]
+        self._save_shards(version, gone)
+        super().save()
+
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _save_shards(self, version: StateVersion, leaving: Iterable[int]) -> None:
+        layout = self._shard_layout
+        assert layout is not None and self._module is not None
+        sharded, replicated = live_tensors(self._module, self._optim)
+        locals_ = [t.to_local() for _, t in sharded]
+        rank = dist.get_rank()
+        # Our own shard first: a local copy, which cannot fail. A save cut short by a failure
+        # below still leaves every rank that got here with this version's own shard.
+        self._own.capture(enumerate(locals_))
+        self._own_replicated.capture(enumerate(t for _, t in replicated))
+        previous = self._copies
+        object.__setattr__(self, "_copies", {})
+        object.__setattr__(self, "_saved_catalog", catalog_of(self._module, self._optim))
+        object.__setattr__(self, "_saved_version", version)
+        object.__setattr__(self, "_saved_layout", layout)
+        object.__setattr__(self, "_saved_shard", layout.shard_of(rank))
+        outgoing: dict[int, list[torch.Tensor]] = {}
+        incoming: dict[int, list[torch.Tensor]] = {}
+        received: dict[int, list[torch.Tensor]] = {}
+        for shard, holders in copy_holders(layout, self.redundancy, leaving).items():
+            owners = layout.ranks_of(shard)
+            for holder in holders:
+                sender = owners[holder % len(owners)]
+                if sender == rank:
+                    outgoing[holder] = locals_
+                if holder == rank:
+                    old = previous.get(shard, [])
+                    bufs = []
+                    for i, (_, t) in enumerate(sharded):
+                        lo, hi = rows(t.shape[0], layout.shards, shard)
+                        shape = (hi - lo, *t.shape[1:])
+                        kept = old[i] if i < len(old) else None
+                        if kept is None or tuple(kept.shape) != shape or kept.dtype != t.dtype:
+                            kept = torch.empty(shape, dtype=t.dtype, device=locals_[i].device)
+                        bufs.append(kept)
+                    incoming[sender] = received[shard] = bufs
+        transfer(outgoing, incoming)
+        object.__setattr__(self, "_copies", received)
+
+    def restore(self) -> None:
+        """Back to the last commit: the plain values and other handlers here; the model and
+        optimizer are rebuilt from the saved shards when the next group forms (the live
+        module belongs to a group that failed)."""
+        super().restore()
+
+    def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        raise NotImplementedError("ShardedState snapshots are written by every rank "
+                                  "(peer_elastic.durable.sharded)")
