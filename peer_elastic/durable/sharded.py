@@ -65,7 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from peer_elastic import threads
 from peer_elastic.codec import decode_values, encode_values
@@ -95,8 +96,8 @@ class ShardedLoadError(RuntimeError):
 class _Layout:
     """How one staged local shard is wrapped back into a DTensor for DCP."""
 
-    mesh: Any  # DeviceMesh
-    placements: tuple[Any, ...]
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
 
@@ -132,8 +133,13 @@ class ShardedSnapshotWriter:
     """Writes this rank's part of sharded snapshots, on a thread of its own (see the
     module docstring). One per rank and per process group generation: ``group`` is a gloo
     group over the same ranks as the training group, created for this writer by every rank
-    at the same time (``dist.new_group(backend="gloo")``) and used by nothing else.
-    Close the writer (:meth:`close`) before that group is destroyed."""
+    at the same time (``dist.new_group(backend="gloo")``) and used by nothing else. Its
+    ``timeout`` bounds how long ranks that finished writing wait for the slowest one (DCP
+    gathers the ranks' results on it), so it must exceed the longest write of one rank's
+    shards. Close the writer (:meth:`close`) on every rank before that group is destroyed.
+    ``keep``: how many complete snapshots retention keeps (rank 0 prunes after publishing).
+    ``listener``: told of each snapshot published (rank 0), each failure (the rank that
+    saw it) and each skip (:func:`all_ranks_idle`)."""
 
     def __init__(self, directory: SnapshotDir, group: dist.ProcessGroup, keep: int,
                  listener: SnapshotListener | None = None,
