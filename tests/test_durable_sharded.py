@@ -44,6 +44,8 @@ JOB = "job-s"
 FIRST = SnapshotId(1, 3, 1, 3, 1_000)
 SECOND = SnapshotId(1, 4, 1, 4, 2_000)
 NEVER = SnapshotId(1, 5, 1, 5, 3_000)  # the round in which a rank's staging copy fails
+REPLICATED = SnapshotId(1, 4, 1, 4, 8_000)  # newer than SECOND, written the replicated way
+CORRUPT = SnapshotId(1, 4, 1, 4, 9_000)  # newer still: a byte of a shard flipped
 PLAIN_VALUES = {"epoch": 2, "sampler": {"seed": 7, "offset": 12}, "name": "fsdp"}
 
 
@@ -198,7 +200,9 @@ def _load(rank: int, world: int, out: Path, hsdp: bool, expect_corrupt: bool) ->
     newest = directory.newest_complete(sharded=True)
     assert newest is not None
     if expect_corrupt:  # the newest is a corrupt copy: every rank says so, then fall back
-        assert newest.id != SECOND
+        assert newest.id == CORRUPT
+        with pytest.raises(ShardedLoadError, match="not a sharded snapshot"):
+            load_sharded(directory, REPLICATED, sharded, replicated)
         with pytest.raises(CorruptSnapshot):
             load_sharded(directory, newest.id, sharded, replicated)
         dist.barrier()
@@ -275,7 +279,10 @@ def test_a_snapshot_written_at_3_loads_at_2_bit_identically(fsdp3: Path, tmp_pat
                                                              ) -> None:
     out = _copy(fsdp3, tmp_path)
     directory = SnapshotDir(out / "snapshots", JOB)
-    bad = _newer_copy(directory, SECOND, SnapshotId(1, 4, 1, 4, 9_000))
+    replicated = _newer_copy(directory, SECOND, REPLICATED)
+    manifest = Manifest.from_json((replicated / MANIFEST).read_bytes())
+    (replicated / MANIFEST).write_bytes(dataclasses.replace(manifest, sharded=False).to_json())
+    bad = _newer_copy(directory, SECOND, CORRUPT)
     with open(bad / "__1_0.distcp", "r+b") as f:  # same size, other bytes: corrupt
         byte = f.read(1)
         f.seek(0)
@@ -283,6 +290,7 @@ def test_a_snapshot_written_at_3_loads_at_2_bit_identically(fsdp3: Path, tmp_pat
     run_world(functools.partial(_load, hsdp=False, expect_corrupt=True), 2, out)
     assert [p.name for p in directory.path.iterdir() if p.name.startswith("corrupt-")] == \
         [f"corrupt-{bad.name}"]
+    assert REPLICATED in directory.names()  # whole, only of the other kind: not set aside
 
 
 def test_a_snapshot_written_at_3_loads_at_4_bit_identically(fsdp3: Path, tmp_path: Path

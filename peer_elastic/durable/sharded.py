@@ -87,9 +87,10 @@ log = logging.getLogger(__name__)
 
 
 class ShardedLoadError(RuntimeError):
-    """A sharded snapshot whose files are whole but that did not load into the targets
-    given (a tensor missing from it, another shape: a model that does not match). Raised
-    on every rank alike; the caller falls back to an older snapshot or a fresh start."""
+    """A snapshot whose files are whole but that does not load into the targets given (a
+    replicated snapshot, a tensor missing from it, another shape: a model that does not
+    match). Raised on every rank alike; the caller falls back to an older snapshot or a
+    fresh start, and leaves this one in place (it is not corrupt)."""
 
 
 @dataclass(frozen=True)
@@ -373,31 +374,39 @@ def load_sharded(directory: SnapshotDir, sid: SnapshotId, targets: Mapping[str, 
     file, so each file is read once). The ranks agree on the outcome before loading, so
     all raise alike: :class:`~peer_elastic.durable.layout.CorruptSnapshot` for a missing,
     torn or corrupt snapshot (the caller sets it aside and falls back to an older one),
-    :class:`ShardedLoadError` when DCP cannot load it into these targets. A failed load may
+    :class:`ShardedLoadError` for one that is whole but does not load into these targets
+    (not a sharded snapshot, or a tensor missing or of another shape: the caller falls back
+    without setting it aside). A failed load may
     have filled some targets: the caller restores or rebuilds them. ``device``: where the
     agreement's flags live (the default group's device; CPU by default).
     """
     import torch.distributed.checkpoint as dcp
 
+    everything = {**targets, **replicated_targets}
+    if len(everything) != len(targets) + len(replicated_targets):
+        raise ValueError("a name is both in targets and in replicated_targets")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_error: CorruptSnapshot | None = None
+    local_error: CorruptSnapshot | ShardedLoadError | None = None
     plain: dict[str, Any] = {}
     with directory.reading(sid):
         try:
             plain = _check(directory, sid, rank, world)
-        except CorruptSnapshot as exc:
+        except (CorruptSnapshot, ShardedLoadError) as exc:
             local_error = exc
-        failed = torch.zeros(world, dtype=torch.int64, device=device)
-        failed[rank] = int(local_error is not None)
-        dist.all_reduce(failed)  # which ranks found it bad: the same answer on every rank
-        bad = [r for r, f in enumerate(failed.tolist()) if f]
-        if bad:
+        # Per rank: 0 fine, 1 not a sharded snapshot, 2 missing or corrupt; summed, every
+        # rank has every rank's answer.
+        found = torch.zeros(world, dtype=torch.int64, device=device)
+        found[rank] = 0 if local_error is None else \
+            1 if isinstance(local_error, ShardedLoadError) else 2
+        dist.all_reduce(found)
+        answers = [int(f) for f in found.tolist()]
+        if any(answers):
             if local_error is not None:
                 raise local_error
-            raise CorruptSnapshot(f"{sid.name}: rank(s) {bad} found it missing or corrupt")
-        everything = {**targets, **replicated_targets}
-        if len(everything) != len(targets) + len(replicated_targets):
-            raise ValueError("a name is both in targets and in replicated_targets")
+            bad = [r for r, f in enumerate(answers) if f]
+            if max(answers) == 2:
+                raise CorruptSnapshot(f"{sid.name}: rank(s) {bad} found it missing or corrupt")
+            raise ShardedLoadError(f"{sid.name}: rank(s) {bad} found no sharded snapshot")
         try:
             with torch.no_grad():
                 dcp.load(everything,
@@ -411,9 +420,9 @@ def _check(directory: SnapshotDir, sid: SnapshotId, rank: int, world: int) -> di
     """This rank's part of checking ``sid`` before loading it (see :func:`load_sharded`):
     its plain part, decoded."""
     manifest = directory.complete(sid)
-    if not manifest.sharded:
-        raise CorruptSnapshot(f"{sid.name}: not a sharded snapshot (written by one rank with "
-                              "the replicated state): load it with the replicated path")
+    if not manifest.sharded:  # whole, and loadable: just not by this path (not set aside)
+        raise ShardedLoadError(f"{sid.name}: not a sharded snapshot (written by one rank with "
+                               "the replicated state): load it with the replicated path")
     path = directory.snapshot_path(sid)
     for name in sorted(manifest.files)[rank::world]:
         try:
