@@ -7,6 +7,9 @@ the loss of all of them. One module per job:
   manifest with every file's checksum, validation, atomic publication and retention.
 * :mod:`.writer`: at a due commit, rank 0 copies the committed state into staging buffers
   and a thread writes them with ``torch.distributed.checkpoint`` (no process group).
+* :mod:`.sharded`: sharded (FSDP2 / HSDP) state, where no rank holds all of it: every
+  rank writes its own shards with DCP on a dedicated gloo group, off the training thread,
+  and :func:`~.sharded.load_sharded` reads them back at any world size or mesh.
 * :mod:`.resume`: when a group forms in which nobody holds committed state of the run,
   the ranks agree on the newest valid snapshot any of them can read; one loads it and the
   normal state sync hands it to the others.
@@ -15,5 +18,6 @@ the loss of all of them. One module per job:
   (:mod:`peer_elastic.etcd.snapshot_records`) and counters the writer thread reports into.
 
 Dependencies point one way: ``elastic -> durable.service -> durable.{writer,resume} ->
-durable.layout``; nothing here imports ``elastic``, and ``layout`` imports no torch.
+durable.layout`` (and ``durable.sharded -> durable.{writer,layout}``); nothing here imports
+``elastic``, and ``layout`` imports no torch.
 """

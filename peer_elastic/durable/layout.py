@@ -9,6 +9,7 @@ Layout, one directory per job so that jobs sharing a ``snapshot_dir`` never mix:
         plain.json                  tagged JSON (peer_elastic.codec): values, structure
         manifest.json               written last: every file's size and sha256
     <snapshot_dir>/<job>/.tmp-snap-...   a snapshot being written
+    <snapshot_dir>/<job>/.tmp-snap-...-shared   a sharded snapshot being written by every rank
     <snapshot_dir>/<job>/.reading-<name>@<host>-<pid>   a resume is reading <name> (kept from pruning)
     <snapshot_dir>/<job>/corrupt-<name>/         a snapshot a resume found corrupt (set aside)
 
@@ -25,6 +26,12 @@ taken after the last commit outranks that commit's). The time only keeps two wri
 same version apart. Names of the older form ``snap-<commits>-<unix_ns>`` (lineage 0) still
 load, and rank below every lineage.
 
+A sharded snapshot (:mod:`.sharded`: every rank of the group writes its own shards) has the
+same layout with one ``__<rank>_0.distcp`` per writing rank; its manifest says
+``"sharded": true``, and it is named, completed, pruned and set aside like the others. Its
+ranks write into one temporary directory whose name they all derive from the agreed id
+(:meth:`SnapshotDir.shared_temp_dir`), and rank 0 publishes it once every rank has written.
+
 Retention (:meth:`SnapshotDir.prune`) keeps the ``keep`` newest complete snapshots in that
 order, and never deletes the snapshot just written or one a resume is reading.
 """
@@ -32,6 +39,7 @@ order, and never deletes the snapshot just written or one a resume is reading.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -134,6 +142,9 @@ class Manifest:
     epoch: int
     step: int
     files: dict[str, FileEntry] = field(default_factory=dict)
+    # Written by every rank of a group, each its own shards (peer_elastic.durable.sharded),
+    # rather than by rank 0 alone with the replicated state: the two load differently.
+    sharded: bool = False
 
     @property
     def unix(self) -> float:
@@ -149,6 +160,8 @@ class Manifest:
                "epoch": self.epoch, "step": self.step,
                "files": {n: {"size": f.size, "sha256": f.sha256}
                          for n, f in sorted(self.files.items())}}
+        if self.sharded:  # only then: a replicated snapshot's manifest (and digest) is unchanged
+            doc["sharded"] = True
         return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
 
     def digest(self) -> str:
@@ -173,8 +186,12 @@ class Manifest:
                 if not re.fullmatch(r"[0-9a-f]{64}", sha):
                     raise ValueError(f"bad checksum for {name}")
                 files[name] = FileEntry(int(entry["size"]), sha)
+            sharded = doc.get("sharded", False)
+            if type(sharded) is not bool:
+                raise ValueError(f"bad sharded flag {sharded!r}")
             return cls(sid, str(doc["job"]), str(doc["run_id"]), int(doc["generation"]),
-                       int(doc["world_size"]), int(doc["epoch"]), int(doc["step"]), files)
+                       int(doc["world_size"]), int(doc["epoch"]), int(doc["step"]), files,
+                       sharded)
         except (KeyError, TypeError, AttributeError, UnicodeDecodeError,
                 json.JSONDecodeError) as exc:
             raise ValueError(f"malformed manifest: {exc}") from None
@@ -285,18 +302,24 @@ class SnapshotDir:
         return manifest
 
     def newest_complete(self, skip: frozenset[SnapshotId] = frozenset(),
-                        above: StateVersion | None = None) -> Manifest | None:
+                        above: StateVersion | None = None,
+                        sharded: bool | None = None) -> Manifest | None:
         """The newest snapshot (not in ``skip``, and holding a version newer than ``above``
-        when given) that passes :meth:`complete`; torn ones are skipped with a warning."""
+        when given) that passes :meth:`complete`; torn ones are skipped with a warning.
+        ``sharded`` (when not None) keeps only snapshots of that kind: a state loads only
+        the kind it writes."""
         for sid in reversed(self.names()):
             if above is not None and sid.version <= above:
                 return None  # the rest are older still
             if sid in skip:
                 continue
             try:
-                return self.complete(sid)
+                manifest = self.complete(sid)
             except CorruptSnapshot as exc:
                 log.warning("skipping snapshot %s: %s", self.path / sid.name, exc)
+                continue
+            if sharded is None or manifest.sharded == sharded:
+                return manifest
         return None
 
     def newest_valid(self) -> Manifest | None:
@@ -372,12 +395,20 @@ class SnapshotDir:
         tmp.mkdir(parents=True)
         return tmp
 
+    def shared_temp_dir(self, sid: SnapshotId) -> Path:
+        """The temporary directory every rank of a sharded snapshot writes ``sid`` into: the
+        same name on every rank (derived from the agreed id only), created by whichever rank
+        comes first and never emptied (another rank may be writing in it already). Left
+        behind by a failed write, it is removed by :meth:`prune` once stale."""
+        tmp = self.path / f"{_TMP_PREFIX}{sid.name}-shared"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return tmp
+
     def publish(self, tmp: Path, manifest: Manifest) -> Manifest:
         """Move the written ``tmp`` into place, then give it its manifest (with checksums of
         every file in it). Returns the manifest written."""
         files = {p.name: file_entry(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = Manifest(manifest.id, manifest.job, manifest.run_id, manifest.generation,
-                            manifest.world_size, manifest.epoch, manifest.step, files)
+        manifest = dataclasses.replace(manifest, files=files)
         _fsync_dir(tmp)
         final = self.snapshot_path(manifest.id)
         os.rename(tmp, final)
@@ -431,4 +462,5 @@ def describe(manifest: Manifest) -> dict[str, Any]:
     return {"name": manifest.id.name, "lineage": manifest.id.lineage,
             "commits": manifest.id.commits, "epoch": manifest.epoch,
             "step": manifest.step, "unix": manifest.unix, "bytes": manifest.total_bytes,
-            "run_id": manifest.run_id, "world_size": manifest.world_size}
+            "run_id": manifest.run_id, "world_size": manifest.world_size,
+            "sharded": manifest.sharded}
