@@ -51,6 +51,7 @@ from peer_elastic.liveness import TrainingWatch
 from peer_elastic.lost_state import StateMarker, lost_state
 from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
+from peer_elastic.sharded.durable import ShardedSnapshots
 from peer_elastic.sharded.regroup import regroup
 from peer_elastic.sharded.state import ShardedState
 from peer_elastic.torch.abort import HangWatchdog
@@ -131,6 +132,8 @@ class Peer:
                                                   coordinator.job, self.stats,
                                                   getattr(coordinator, "client", None),
                                                   hang_exempt=self._liveness.exempt)
+        # A ShardedState's snapshots: every rank writes its rows (made at its first group).
+        self._sharded_snapshots: ShardedSnapshots | None = None
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -251,6 +254,11 @@ class Peer:
                 self._marker.committed(self._committed.commits, group.generation)
                 if self.snapshots is not None and not isinstance(state, ShardedState):
                     self.snapshots.after_commit(state, self._snapshot_info(self._committed))
+            if isinstance(state, ShardedState) and self._sharded_snapshots is not None:
+                # every rank writes its rows: all decide together, right after the commit
+                with self._liveness.collective():
+                    self._sharded_snapshots.after_commit(
+                        state, self._snapshot_info(self._committed), self.device)
         if reset:
             newest = snap.generation
             removals_only = newest is not None and not newest.joined
@@ -449,7 +457,7 @@ class Peer:
 
         claim = Claim(self._live, need, newest_snapshot, time.time_ns())
         if isinstance(state, ShardedState):
-            agreement, resumed = regroup(state, claim, self.device, self.generation, None)
+            agreement, resumed = self._regroup(state, need)
         else:
             agreement = agree_and_sync(state, claim, self.device, resume,
                                        committed=self._committed)
@@ -464,6 +472,25 @@ class Peer:
             self._committed = agreement.version
         self._synced_once = True
         self._restored = False
+
+    def _regroup(self, state: ShardedState, need: bool) -> tuple[Agreement, bool]:
+        """The sharded state's agreement: reshard in memory, load a snapshot, or start."""
+        durable = self._sharded_snapshots
+        if durable is None and self.snapshots is not None:
+            durable = self._sharded_snapshots = ShardedSnapshots(self.snapshots)
+        newest = durable.newest_version() if durable is not None else None
+        claim = Claim(self._live, need, newest, time.time_ns())
+        generation, device = self.generation, self.device
+
+        def resume(claims: Sequence[Claim]) -> Agreement | None:
+            assert durable is not None
+            return durable.resume(state, claims, generation, device)
+
+        result = regroup(state, claim, device, generation,
+                         resume if durable is not None else None)
+        if durable is not None:
+            durable.regrouped()  # a writer on a gloo group of this generation's own
+        return result
 
     def _report_lost_state(self, agreed: StateVersion, held: bool) -> None:
         """A group formed that goes on from a resumed snapshot, from the initial state, or
@@ -577,6 +604,8 @@ class Peer:
         return self._liveness.exempt()
 
     def close(self) -> None:
+        if self._sharded_snapshots is not None:
+            self._sharded_snapshots.close(timeout=60.0)
         if self.snapshots is not None:
             # A write in flight finishes (bounded): the process may exit right after.
             self.snapshots.close(timeout=60.0)

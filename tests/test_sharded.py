@@ -146,3 +146,76 @@ def test_the_leader_crashes_then_a_peer_joins_and_one_leaves(cluster: Cluster,
     assert r["states_lost"] == 0, r
     assert all(len(dg) == 1 for dg in callback_digests([b, c, d]).values())
     assert assert_rebuilt_from_commits([a, b, c, d], b) >= 1
+
+
+# -- beyond the redundancy, and durable snapshots -----------------------------------------------
+
+def test_losing_more_peers_than_the_redundancy_without_snapshots_fails_clearly(
+        cluster: Cluster) -> None:
+    # redundancy 1, four peers: two die at once (SIGKILL together). With the copies spread
+    # around the ring some pairs are covered, so kill a pair whose shards share no holder:
+    # with redundancy 0 any one death loses a shard, which is the simplest case to force.
+    peers = cluster.start(3, WORKER_EPOCHS=50, WORKER_SHARDED="fsdp,redundancy=0")
+    a, b, c = peers
+    for p in peers:
+        p.wait_line("GEN", timeout=90)
+    wait_steps(a, 4)
+    b.signal(signal.SIGKILL)
+    for p in (a, c):
+        assert p.wait(120) != 0, p.output()
+    out = a.output() + c.output()
+    assert "sharded state lost" in out and "set snapshot_dir" in out, out
+    assert not [line for p in (a, c) for line in p.lines if line.startswith("RESULT ")]
+
+
+def snapshot_names(directory) -> list:  # type: ignore[no-untyped-def]
+    return [sid for sid in directory.names()]
+
+
+@pytest.mark.parametrize("before,after", [(3, 2), (2, 4)], ids=["3-to-2", "2-to-4"])
+def test_a_whole_job_restart_resumes_its_sharded_snapshot_at_another_world_size(
+        etcd: str, unique_job: str, tmp_path, before: int, after: int) -> None:
+    from peer_elastic.durable.layout import SnapshotDir
+    from tests.test_durable_resume import wait_for
+
+    snaps = tmp_path / "snaps"
+    settings = {**SETTINGS, "PEER_ELASTIC_SNAPSHOT_DIR": snaps,
+                "PEER_ELASTIC_SNAPSHOT_EVERY": 0.5, "WORKER_EPOCHS": 3,
+                "WORKER_SAMPLES": 240, "WORKER_STEP_S": 0.03}
+    directory = SnapshotDir(snaps, unique_job)
+    c = Cluster(etcd, unique_job, **settings)
+    try:
+        peers = c.start(before)
+        peers[0].wait_line("GEN", timeout=90)
+        wait_for(lambda: len(directory.names()) >= 2, 120, "second snapshot", peers)
+        peers[0].wait_line("STEP", timeout=60, after=len(peers[0].lines))
+        for p in peers:
+            p.signal(signal.SIGKILL)
+        for p in peers:
+            p.wait(30)
+        newest = directory.newest_complete(sharded=True)
+        assert newest is not None and newest.world_size == before
+        restarted = c.start(after)
+        r = finish(restarted)
+        assert r["world"] == after, r
+        firsts = [rebuilt_states(p)[0] for p in restarted if rebuilt_states(p)]
+        assert min(f[2] for f in firsts) >= newest.id.commits > 0, (firsts, newest.id)
+        out = "\n".join(line for p in restarted for line in p.lines)
+        assert "resuming job" in out and "sharded snapshot" in out
+    finally:
+        c.close()
+
+
+def test_losing_more_peers_than_the_redundancy_falls_back_to_the_snapshot(
+        cluster: Cluster, tmp_path) -> None:
+    peers = cluster.start(3, WORKER_EPOCHS=4, WORKER_SHARDED="fsdp,redundancy=0",
+                          PEER_ELASTIC_SNAPSHOT_DIR=tmp_path / "snaps",
+                          PEER_ELASTIC_SNAPSHOT_EVERY=0.3)
+    a, b, c = peers
+    for p in peers:
+        p.wait_line("GEN", timeout=90)
+    wait_steps(a, 12)
+    b.signal(signal.SIGKILL)
+    r = finish([a, c])
+    assert r["states_lost"] >= 1 or "resuming job" in a.output(), r
+    assert "resuming job" in a.output() + c.output()

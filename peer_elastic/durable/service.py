@@ -73,9 +73,11 @@ class DurableSnapshots:
         # A run record from before these settings existed reads 0: the defaults then.
         every = config.snapshot_every_s if config.snapshot_every_s > 0 else DEFAULT_EVERY_S
         keep = config.snapshot_keep if config.snapshot_keep > 0 else DEFAULT_KEEP
+        self.every_s, self.keep = every, keep
+        self.listener = _Listener(client, job, stats)
         # hang_exempt: the staging copy on the training thread is not a hang (liveness)
-        self.writer = SnapshotWriter(self.directory, every, keep,
-                                     listener=_Listener(client, job, stats),
+        self.hang_exempt = hang_exempt
+        self.writer = SnapshotWriter(self.directory, every, keep, listener=self.listener,
                                      hang_exempt=hang_exempt)
 
     @classmethod

@@ -81,7 +81,10 @@ from peer_elastic.durable.layout import (
 )
 from peer_elastic.durable.writer import SnapshotListener, Staging, Written
 
-__all__ = ["ShardedLoadError", "ShardedSnapshotWriter", "all_ranks_idle", "load_sharded"]
+__all__ = [
+    "ShardedLoadError", "ShardedSnapshotWriter", "all_ranks_idle", "check_sharded", "load_checked",
+    "load_sharded",
+]
 
 log = logging.getLogger(__name__)
 
@@ -380,40 +383,56 @@ def load_sharded(directory: SnapshotDir, sid: SnapshotId, targets: Mapping[str, 
     have filled some targets: the caller restores or rebuilds them. ``device``: where the
     agreement's flags live (the default group's device; CPU by default).
     """
-    import torch.distributed.checkpoint as dcp
-
     everything = {**targets, **replicated_targets}
     if len(everything) != len(targets) + len(replicated_targets):
         raise ValueError("a name is both in targets and in replicated_targets")
+    with directory.reading(sid):
+        plain = check_sharded(directory, sid, device=device)
+        load_checked(directory, sid, everything)
+    return plain
+
+
+def check_sharded(directory: SnapshotDir, sid: SnapshotId, *,
+                  device: torch.device | None = None) -> dict[str, Any]:
+    """Collective over the default group: check snapshot ``sid`` (see :func:`load_sharded`)
+    and return its decoded plain part, or raise the same error on every rank. Lets a caller
+    read the plain part (what tensors to build) before it makes the targets."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local_error: CorruptSnapshot | ShardedLoadError | None = None
     plain: dict[str, Any] = {}
-    with directory.reading(sid):
-        try:
-            plain = _check(directory, sid, rank, world)
-        except (CorruptSnapshot, ShardedLoadError) as exc:
-            local_error = exc
-        # Per rank: 0 fine, 1 not a sharded snapshot, 2 missing or corrupt; summed, every
-        # rank has every rank's answer.
-        found = torch.zeros(world, dtype=torch.int64, device=device)
-        found[rank] = 0 if local_error is None else \
-            1 if isinstance(local_error, ShardedLoadError) else 2
-        dist.all_reduce(found)
-        answers = [int(f) for f in found.tolist()]
-        if any(answers):
-            if local_error is not None:
-                raise local_error
-            bad = [r for r, f in enumerate(answers) if f]
-            if max(answers) == 2:
-                raise CorruptSnapshot(f"{sid.name}: rank(s) {bad} found it missing or corrupt")
-            raise ShardedLoadError(f"{sid.name}: rank(s) {bad} found no sharded snapshot")
-        try:
-            with torch.no_grad():
-                dcp.load(everything,
-                         storage_reader=dcp.FileSystemReader(directory.snapshot_path(sid)))
-        except CheckpointException as exc:  # raised on every rank alike
-            raise ShardedLoadError(f"snapshot {sid.name} did not load: {exc}") from exc
+    try:
+        plain = _check(directory, sid, rank, world)
+    except (CorruptSnapshot, ShardedLoadError) as exc:
+        local_error = exc
+    # Per rank: 0 fine, 1 not a sharded snapshot, 2 missing or corrupt; summed, every
+    # rank has every rank's answer.
+    found = torch.zeros(world, dtype=torch.int64, device=device)
+    found[rank] = 0 if local_error is None else \
+        1 if isinstance(local_error, ShardedLoadError) else 2
+    dist.all_reduce(found)
+    answers = [int(f) for f in found.tolist()]
+    if any(answers):
+        if local_error is not None:
+            raise local_error
+        bad = [r for r, f in enumerate(answers) if f]
+        if max(answers) == 2:
+            raise CorruptSnapshot(f"{sid.name}: rank(s) {bad} found it missing or corrupt")
+        raise ShardedLoadError(f"{sid.name}: rank(s) {bad} found no sharded snapshot")
     return plain
+
+
+def load_checked(directory: SnapshotDir, sid: SnapshotId,
+                 targets: Mapping[str, torch.Tensor]) -> None:
+    """Collective over the default group: DCP's load of a snapshot :func:`check_sharded`
+    passed into ``targets`` (sharded and replicated alike), in place."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with torch.no_grad():
+            dcp.load(dict(targets),
+                     storage_reader=dcp.FileSystemReader(directory.snapshot_path(sid)))
+    except CheckpointException as exc:  # raised on every rank alike
+        raise ShardedLoadError(f"snapshot {sid.name} did not load: {exc}") from exc
 
 
 def _check(directory: SnapshotDir, sid: SnapshotId, rank: int, world: int) -> dict[str, Any]:

@@ -160,6 +160,12 @@ class ShardedState(TorchState):
                 sharded_rows: list[torch.Tensor], replicated: list[torch.Tensor]) -> None:
         """Collective: a module on this group's mesh filled with the given rows (this rank's
         rows of every sharded tensor, in catalog order) and replicated tensors."""
+        self.rebuild_empty(layout, device, catalog)
+        install(self.model, self._optim, catalog, sharded_rows, replicated)
+
+    def rebuild_empty(self, layout: Layout, device: torch.device, catalog: Catalog) -> None:
+        """Collective: an uninitialised module (and optimizer) on this group's mesh, checked
+        against ``catalog``'s parameters."""
         self._drop_live()
         mesh = self._mesh_for(layout, device)
         with torch.device("meta"):
@@ -173,7 +179,6 @@ class ShardedState(TorchState):
             raise ValueError("the model built now differs from the saved one: parameters "
                              f"{sorted(set(built) ^ set(expected)) or 'of other shapes'}")
         optim = self._make_optimizer(module) if self._make_optimizer is not None else None
-        install(module, optim, catalog, sharded_rows, replicated)
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_optim", optim)
         object.__setattr__(self, "_mesh", mesh)
@@ -282,4 +287,62 @@ class ShardedState(TorchState):
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise NotImplementedError("ShardedState snapshots are written by every rank "
-                                  "(peer_elastic.durable.sharded)")
+                                  "(peer_elastic.sharded.durable)")
+
+    # -- durable snapshots (every rank writes its own rows) ---------------------------------
+
+    def durable_parts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                     dict[str, Any]]:
+        """The live state for a sharded snapshot: the sharded DTensors by catalog name, the
+        replicated tensors (the model's buffers, plain optimizer tensors and the other
+        handlers' tensors, under ``state/``), and the plain part (the catalog, and the
+        other values). Live aliases: the writer copies them."""
+        assert self._module is not None
+        sharded, replicated = live_tensors(self._module, self._optim)
+        others, plain = TorchState.durable_state(self)
+        rep = dict(replicated)
+        rep.update({f"state/{name}": t for name, t in others.items()})
+        catalog = catalog_of(self._module, self._optim)
+        return dict(sharded), rep, {"catalog": catalog.describe(), "state": plain}
+
+    def load_targets(self, layout: Layout, device: torch.device, plain: dict[str, Any]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                Callable[[], None]]:
+        """Collective: a fresh module on this group's mesh, and the tensors a snapshot with
+        this ``plain`` part loads into (sharded DTensors, replicated tensors, by the names
+        :meth:`durable_parts` gave). Call the returned function once they are loaded: it
+        installs them into the module and optimizer. The other values are applied here."""
+        from torch.distributed.tensor import DTensor
+
+        catalog = Catalog.parse(plain.get("catalog"))
+        state_plain = plain.get("state")
+        if not isinstance(state_plain, dict):
+            raise ValueError("snapshot without the state's values")
+        self.rebuild_empty(layout, device, catalog)
+        params = dict(self.model.named_parameters())
+        shard = layout.shard_of(dist.get_rank())
+        sharded_rows: list[torch.Tensor] = []
+        targets: dict[str, torch.Tensor] = {}
+        for entry in catalog.sharded:
+            lo, hi = rows(entry.rows, layout.shards, shard)
+            local = torch.zeros((hi - lo, *entry.row_shape), dtype=entry.torch_dtype,
+                                device=device)
+            fqn = entry.name.split("/", 1)[1]
+            if entry.name.startswith("optimizer/"):
+                fqn = fqn.rpartition("/")[0]
+            param = params[fqn]
+            assert isinstance(param, DTensor)
+            sharded_rows.append(local)
+            targets[entry.name] = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False,
+                shape=torch.Size(entry.shape), stride=param.stride())
+        replicated = [torch.zeros(e.shape, dtype=e.torch_dtype, device=device)
+                      for e in catalog.replicated]
+        rep_targets = {e.name: t for e, t in zip(catalog.replicated, replicated, strict=True)}
+        others = TorchState.durable_targets(self, state_plain)
+        rep_targets.update({f"state/{name}": t for name, t in others.items()})
+
+        def install_loaded() -> None:
+            install(self.model, self._optim, catalog, sharded_rows, replicated)
+
+        return targets, rep_targets, install_loaded

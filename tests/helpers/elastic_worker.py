@@ -368,8 +368,8 @@ def sharded_parts() -> dict[str, object]:
     """ShardedState's builders for WORKER_SHARDED."""
     from torch.distributed.fsdp import fully_shard
 
-    kind, _, rest = SHARDED.partition(":")
-    degree_s, _, extra = rest.partition(",")
+    mesh, _, extra = SHARDED.partition(",")
+    kind, _, degree_s = mesh.partition(":")
     redundancy = int(extra.split("=", 1)[1]) if extra.startswith("redundancy=") else 1
     if kind not in ("fsdp", "hsdp"):
         raise SystemExit(f"WORKER_SHARDED={SHARDED!r}: expected fsdp or hsdp:<degree>")
