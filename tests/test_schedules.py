@@ -100,7 +100,8 @@ def test_plans_cover_every_kind_and_pattern() -> None:
         patterns.update([f"record={plan.pattern.record}", f"check={plan.pattern.check_every}",
                          f"commit={plan.pattern.commit_every}", f"plain={plan.pattern.plain}",
                          f"ddp={plan.pattern.ddp}", f"snapshots={plan.pattern.snapshots}",
-                         f"ddp_hook={plan.pattern.ddp_hook}", f"forks={plan.pattern.forks}"])
+                         f"ddp_hook={plan.pattern.ddp_hook}", f"forks={plan.pattern.forks}",
+                         f"sharded={plan.pattern.sharded}"])
     want = {"kill", "kill:leader", "kill:", "term", "drain", "add", "set_max", "set_min", "pause",
             "resume", "stop_short", "stop", "etcd_member", "etcd_all", "burst", "peers_only",
             "restart", "stop_mid", "kill_during", "long_outage", "restart:park",
@@ -111,7 +112,7 @@ def test_plans_cover_every_kind_and_pattern() -> None:
     assert want <= set(kinds), kinds
     assert {"record=batch", "record=indices", "record=local", "check=1", "commit=5",
             "plain=True", "ddp=True", "snapshots=True", "ddp_hook=True",
-            "forks=True"} <= set(patterns), patterns
+            "forks=True", "sharded=fsdp", "sharded=hsdp:2"} <= set(patterns), patterns
 
 
 @pytest.mark.slow

@@ -11,7 +11,10 @@ bit for bit with the commit it came from.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -219,3 +222,40 @@ def test_losing_more_peers_than_the_redundancy_falls_back_to_the_snapshot(
     r = finish([a, c])
     assert r["states_lost"] >= 1 or "resuming job" in a.output(), r
     assert "resuming job" in a.output() + c.output()
+
+
+def wait_text(p: PeerProc, text: str, count: int = 1, timeout: float = 120) -> None:
+    """Until ``p`` printed ``count`` lines containing ``text`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    with p.cond:
+        while sum(text in line for line in p.lines) < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or p.proc.poll() is not None:
+                raise AssertionError(f"{p.name}: not {count} x {text!r}:\n{p.output()}")
+            p.cond.wait(min(left, 0.5))
+
+
+def test_the_fsdp_example_trains_through_a_crash_and_a_join(etcd: str, unique_job: str) -> None:
+    # The README's example, as a user runs it, with a crash and a join while it trains.
+    env = {**os.environ, "PEER_ELASTIC_ETCD": etcd, "PEER_ELASTIC_JOB": unique_job,
+           "PEER_ELASTIC_START_SETTLE": "0.5", "PEER_ELASTIC_LEASE_TTL": "3",
+           "PEER_ELASTIC_JOIN_TIMEOUT": "1.5", "PEER_ELASTIC_LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "examples/train_fsdp.py", "--epochs", "25", "--target", "0.85"]
+    peers = [PeerProc(args, env, f"fsdp{i}") for i in range(3)]
+    try:
+        for p in peers:
+            wait_text(p, "ready: rank")
+        peers[1].signal(signal.SIGKILL)
+        wait_text(peers[0], "ready: rank", count=2)
+        joiner = PeerProc(args, env, "fsdp3")
+        peers.append(joiner)
+        wait_text(joiner, "ready: rank")
+        for p in (peers[0], peers[2], joiner):
+            assert p.wait(300) == 0, p.output()
+        out = "\n".join(line for p in peers for line in p.lines)
+        assert "test accuracy" in out and "resharded" in out, out[-3000:]
+        assert "state_lost" not in out and "Traceback" not in out
+    finally:
+        for p in peers:
+            p.kill()

@@ -135,9 +135,12 @@ class Pattern:
     # program there that keeps what it inherits until 3 s after the peer ends: with DDP over
     # a subgroup the training function makes, a killed peer's subgroup connections.
     forks: bool = False
+    # The model is a pe.ShardedState: "" no, "fsdp" (FSDP2 over every rank) or "hsdp:2"
+    # (HSDP, shard groups of 2 where the world size allows): no DDP and no forks then.
+    sharded: str = ""
 
     def env(self) -> dict[str, object]:
-        return {"WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
+        return {"WORKER_SHARDED": self.sharded, "WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
                 "WORKER_CHECK_EVERY": self.check_every, "WORKER_PLAIN": int(self.plain),
                 "WORKER_DDP": int(self.ddp), "WORKER_DDP_SUBGROUP": self.ddp_subgroup,
                 "WORKER_DDP_HOOK": int(self.ddp_hook),
@@ -153,7 +156,8 @@ class Pattern:
         return (f"record={self.record} commit_every={self.commit_every} "
                 f"check_every={self.check_every} plain={int(self.plain)} {ddp}"
                 + (" snapshots=1" if self.snapshots else "")
-                + (" forks=1" if self.forks else ""))
+                + (" forks=1" if self.forks else "")
+                + (f" sharded={self.sharded}" if self.sharded else ""))
 
 
 def make_pattern(rng: random.Random) -> Pattern:
@@ -249,6 +253,8 @@ FIRST_SHAPE_SHARE = 0.4
 #: The share of plans with durable snapshots on (Pattern.snapshots).
 SNAPSHOT_SHARE = 0.25
 FORKS_SHARE = 0.3  # plans whose peers fork children (Pattern.forks)
+SHARDED_SHARE = 0.3  # plans whose model is sharded (Pattern.sharded)
+HSDP_SHARE = 0.4  # of those, HSDP rather than FSDP
 #: How often rank 0 writes a snapshot in those plans (PEER_ELASTIC_SNAPSHOT_EVERY).
 SNAPSHOT_EVERY_S = 0.5
 #: In those plans, the share of events (while not paused) that a whole-job restart follows.
@@ -314,6 +320,10 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         pattern = replace(pattern, snapshots=True)
     if random.Random(f"{seed}/forks").random() < FORKS_SHARE:  # drawn apart
         pattern = replace(pattern, forks=True)
+    if random.Random(f"{seed}/sharded").random() < SHARDED_SHARE:  # drawn apart
+        mesh = "hsdp:2" if random.Random(f"{seed}/sharded-mesh").random() < HSDP_SHARE else "fsdp"
+        pattern = replace(pattern, sharded=mesh, ddp=False, ddp_subgroup="", ddp_hook=False,
+                          forks=False)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
