@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -259,3 +260,52 @@ def test_the_fsdp_example_trains_through_a_crash_and_a_join(etcd: str, unique_jo
     finally:
         for p in peers:
             p.kill()
+
+
+def cli(etcd: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "peer_elastic.cli", *args, "--etcd", etcd],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_hsdp_resizes_down_and_up_and_comes_back_bit_identical(
+        cluster: Cluster, etcd: str, unique_job: str, tmp_path) -> None:
+    # HSDP, shard groups of 2: four peers run 2 x 2. set max_np=3 parks one as a standby
+    # (graceful: its shard is handed to the ranks that stay) and 3 ranks shard 1 x 3 (3 does
+    # not factor by 2: shards get finer, never coarser); a crash of a running peer promotes
+    # the standby (it receives only its rows); set max_np=4 and a new peer bring back 2 x 2
+    # (N -> N-1 -> N). Every rebuilt state is its commit's, bit for bit.
+    end = tmp_path / "end"
+    env = dict(WORKER_EPOCHS=500, WORKER_END_FILE=end, WORKER_SHARDED="hsdp:2",
+               WORKER_SAMPLES=120, WORKER_RECORD="indices", PEER_ELASTIC_MAX_NP=4)
+    peers = cluster.start(4, **env)
+    for p in peers:
+        p.wait_line("GEN", timeout=90)
+    # the leader (rank 0, the oldest): never the one parked
+    a = next(p for p in peers if p.wait_line("GEN").split()[2] == "0")
+    wait_steps(a, 3)
+    assert "max_np=3" in cli(etcd, "set", "--job", unique_job, "max_np=3")
+    wait_text(a, "GEN ", count=2)
+    wait_steps(a, 3)
+    running = [p for p in peers if p is not a and sum("GEN " in line for line in p.lines) >= 2]
+    running[-1].signal(signal.SIGKILL)
+    wait_text(a, "GEN ", count=3)
+    wait_steps(a, 3)
+    assert "max_np=4" in cli(etcd, "set", "--job", unique_job, "max_np=4")
+    (d,) = cluster.start(1, **env)
+    wait_text(a, "GEN 1", count=1)
+    deadline = time.monotonic() + 120
+    while not any(size == 4 for _, size, _, _ in rebuilt_states(a)[1:]):
+        assert time.monotonic() < deadline, a.output()
+        wait_steps(a, 1)
+    wait_steps(a, 3)
+    end.touch()
+    survivors = [p for p in [*peers, d] if p.proc.poll() is None]
+    r = finish(survivors)
+    assert r["world"] == 4 and r["layout"] == [2, 2], r
+    assert r["states_lost"] == 0, r
+    sizes = [size for _, size, _, _ in rebuilt_states(a)]
+    assert sizes[0] == 4 and 3 in sizes and sizes[-1] == 4, sizes
+    assert all(len(dg) == 1 for dg in callback_digests([*peers, d]).values())
+    assert assert_rebuilt_from_commits([*peers, d], a) >= 1

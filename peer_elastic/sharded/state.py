@@ -36,6 +36,31 @@ Parallelize = Callable[[nn.Module, Any], "nn.Module | None"]
 OptimizerBuilder = Callable[[nn.Module], torch.optim.Optimizer]
 
 
+def _forget_old_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions before a new group's mesh is used.
+
+    They are keyed by mesh *equality* (shape, ranks, dimension names), and the mesh of a new
+    group equals an earlier group's mesh of the same shape, while its process groups are
+    other ones under other names. A cached decision then names a group of the earlier
+    generation: seen as "Could not resolve the process group registered under the name 4"
+    on a rank whose place in the mesh changed (HSDP 2 x 2, then 1 x 3, then 2 x 2 again).
+    torch exposes the clearing only under private names; without them (another torch) there
+    is nothing to clear.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - another torch
+        return
+    _clear_sharding_prop_cache()
+    try:
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+    except ImportError:  # pragma: no cover - another torch
+        return
+    clear = getattr(_gen_transform_infos, "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 class ShardedState(TorchState):
     """Training state whose model (and optimizer) is sharded with FSDP2 or HSDP.
 
@@ -132,6 +157,7 @@ class ShardedState(TorchState):
     def _mesh_for(self, layout: Layout, device: torch.device) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
+        _forget_old_meshes()
         if self.shard_degree is None:
             return init_device_mesh(device.type, (layout.world,), mesh_dim_names=("shard",))
         return init_device_mesh(device.type, (layout.replicas, layout.shards),

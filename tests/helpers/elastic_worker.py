@@ -650,6 +650,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 state.epoch += 1
                 state.sampler.set_epoch(state.epoch)
                 state.commit()
+                if COMMIT_DIGEST:
+                    say("COMMITTED", state.commit_count, digest(state))
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
             counts = model.counter.counts.full_tensor().detach().t()
