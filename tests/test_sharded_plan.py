@@ -102,23 +102,39 @@ def test_hsdp_replicas_count_as_copies() -> None:
 
 def test_restore_takes_the_newest_complete_version_and_never_mixes() -> None:
     old = Layout(3, 3, 3)
+    none = Holding(StateVersion(), None, ())
     # rank holding shard 1 (and its copy of 2) died: survivors hold 0 (+copy of 1), 2 (+ 0)
-    holdings = [Holding(V2, old, (0, 1)), Holding(V2, old, (2, 0)), Holding(StateVersion(), None, ())]
+    holdings = [[Holding(V2, old, (0, 1))], [Holding(V2, old, (2, 0))], [none]]
     point = choose_restore(holdings)
     assert point is not None and point.version == V2 and point.layout == old
     assert dict(point.sources) == {0: (0, 1), 1: (0,), 2: (1,)}
     # one survivor saved V2, the other still V1: neither version is complete
-    mixed = [Holding(V2, old, (0, 1)), Holding(V1, old, (2, 0))]
+    mixed = [[Holding(V2, old, (0, 1))], [Holding(V1, old, (2, 0))]]
     assert choose_restore(mixed) is None
     assert newest_held(mixed) == V2
     # an older complete version is taken when the newest is not complete
-    older = [Holding(V2, old, (0,)), Holding(V1, old, (0, 1)), Holding(V1, old, (2,))]
+    older = [[Holding(V2, old, (0,))], [Holding(V1, old, (0, 1))], [Holding(V1, old, (2,))]]
     point = choose_restore(older)
     assert point is not None and point.version == V1
     # the same version in two layouts never mixes either
-    relaid = [Holding(V2, Layout(4, 2, 2), (0,)), Holding(V2, old, (1, 2))]
+    relaid = [[Holding(V2, Layout(4, 2, 2), (0,))], [Holding(V2, old, (1, 2))]]
     assert choose_restore(relaid) is None
-    assert choose_restore([Holding(StateVersion(), None, ())]) is None
+    assert choose_restore([[none]]) is None and choose_restore([[]]) is None
+
+
+def test_a_save_cut_short_leaves_the_last_confirmed_version_or_the_new_one_whole() -> None:
+    old = Layout(3, 3, 3)
+    # every rank keeps its confirmed V1 save while V2's copies travel: V1 stays complete
+    during = [[Holding(V1, old, (0, 1))], [Holding(V1, old, (1, 2)), Holding(V2, old, (1,))]]
+    assert choose_restore(during, [V1, V2]).version == V1  # type: ignore[union-attr]
+    # V2's copies all arrived (unconfirmed on one rank): V2, its values from a rank at V2
+    after = [[Holding(V1, old, (0, 1)), Holding(V2, old, (0, 1))],
+             [Holding(V2, old, (1, 2))]]
+    point = choose_restore(after, [V2, V2])
+    assert point is not None and point.version == V2 and point.values_from == 0
+    # a complete version whose other state no rank saved does not count
+    assert choose_restore(after, [V1, V1]) is None
+    assert choose_restore(after, [None, None]) is None
 
 
 def test_moves_give_every_new_rank_exactly_its_rows() -> None:
@@ -131,7 +147,7 @@ def test_moves_give_every_new_rank_exactly_its_rows() -> None:
         # every old shard held by 1-3 random new ranks
         sources = {s: tuple(sorted(rng.sample(range(new.world), rng.randint(1, min(3, new.world)))))
                    for s in range(old.shards)}
-        point = RestorePoint(V1, old, sources)
+        point = RestorePoint(V1, old, sources, 0)
         moves = plan_moves(row_counts, point, new)
         got: dict[tuple[int, int], list[int]] = {}
         for m in moves:

@@ -14,7 +14,49 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["transfer"]
+__all__ = ["flat_views", "transfer"]
+
+
+def flat_views(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
+               device: torch.device) -> list[torch.Tensor]:
+    """Empty tensors of the given shapes and dtypes, those of one dtype laid out back to
+    back in one allocation, in order: :func:`transfer` receives into them with no copy."""
+    totals: dict[torch.dtype, int] = {}
+    for shape, dtype in shapes:
+        totals[dtype] = totals.get(dtype, 0) + _numel(shape)
+    flats = {dtype: torch.empty(total, dtype=dtype, device=device)
+             for dtype, total in totals.items()}
+    offsets = dict.fromkeys(totals, 0)
+    out = []
+    for shape, dtype in shapes:
+        n = _numel(shape)
+        out.append(flats[dtype][offsets[dtype]:offsets[dtype] + n].view(shape))
+        offsets[dtype] += n
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _one_span(group: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flat tensor the group's tensors form when they lie back to back in one storage
+    (as :func:`flat_views` makes them), else None."""
+    first = group[0]
+    expect = first.data_ptr()
+    for t in group:
+        if not t.is_contiguous() or t.data_ptr() != expect:
+            return None
+        expect += t.numel() * t.element_size()
+    total = sum(t.numel() for t in group)
+    storage = first.untyped_storage()
+    if (first.storage_offset() + total) * first.element_size() > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        storage, first.storage_offset(), (total,))
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -43,6 +85,10 @@ def transfer(outgoing: Mapping[int, Sequence[torch.Tensor]],
         for tag, group in enumerate(_by_dtype(incoming.get(peer, ()))):
             total = sum(t.numel() for t in group)
             if total == 0:
+                continue
+            span = _one_span(group)
+            if span is not None:  # received in place
+                ops.append(dist.P2POp(dist.irecv, span, peer, tag=tag))
                 continue
             flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
             ops.append(dist.P2POp(dist.irecv, flat, peer, tag=tag))

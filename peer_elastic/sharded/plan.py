@@ -147,41 +147,60 @@ class Holding:
 @dataclass(frozen=True)
 class RestorePoint:
     """A version every shard of which the new group holds: ``sources[s]`` are the new ranks
-    holding shard ``s`` of ``layout``."""
+    holding shard ``s`` of ``layout``; ``values_from`` is a rank whose other state (sampler,
+    plain values) was saved at that version."""
 
     version: StateVersion
     layout: Layout
     sources: Mapping[int, tuple[int, ...]]
+    values_from: int = 0
 
     def holders(self) -> tuple[int, ...]:
         """Every new rank that holds some shard of it."""
         return tuple(sorted({r for ranks in self.sources.values() for r in ranks}))
 
 
-def choose_restore(holdings: Sequence[Holding]) -> RestorePoint | None:
-    """The newest (version, layout) the ranks ``holdings`` (indexed by new rank) hold
-    completely, or None. A version never mixes with another: a rank whose save failed
-    half-way holds the older version's shards and counts there only."""
-    by_key: dict[tuple[StateVersion, Layout], dict[int, list[int]]] = {}
-    for rank, holding in enumerate(holdings):
-        if not holding.trained:
+def choose_restore(holdings: Sequence[Sequence[Holding]],
+                   values: Sequence[StateVersion | None] | None = None) -> RestorePoint | None:
+    """The newest (version, layout) that the ranks hold completely, or None.
+
+    ``holdings[r]``: what new rank ``r`` holds (a rank may hold two versions: the last one
+    every rank confirmed, and a newer one whose save was cut short after its copies
+    arrived). ``values[r]``: the version of rank ``r``'s saved other state; a version counts
+    only where some rank saved its other state at it too (None: every version counts, the
+    values coming from its lowest holder). A version never mixes with another."""
+    by_key: dict[tuple[StateVersion, Layout], dict[int, set[int]]] = {}
+    for rank, held_here in enumerate(holdings):
+        for holding in held_here:
+            if not holding.trained:
+                continue
+            assert holding.layout is not None
+            held = by_key.setdefault((holding.version, holding.layout), {})
+            for shard in holding.shards:
+                if 0 <= shard < holding.layout.shards:
+                    held.setdefault(shard, set()).add(rank)
+    candidates = []
+    for key, held in by_key.items():
+        if len(held) != key[1].shards:
             continue
-        assert holding.layout is not None
-        held = by_key.setdefault((holding.version, holding.layout), {})
-        for shard in holding.shards:
-            if 0 <= shard < holding.layout.shards:
-                held.setdefault(shard, []).append(rank)
-    complete = [key for key, held in by_key.items() if len(held) == key[1].shards]
-    if not complete:
+        ranks = sorted({r for rs in held.values() for r in rs})
+        if values is None:
+            source: int | None = ranks[0]
+        else:
+            source = next((r for r, v in enumerate(values) if v == key[0]), None)
+        if source is not None:
+            candidates.append((key, source))
+    if not candidates:
         return None
-    version, layout = max(complete)
+    (version, layout), source = max(candidates)
     held = by_key[(version, layout)]
-    return RestorePoint(version, layout, {s: tuple(sorted(r)) for s, r in sorted(held.items())})
+    return RestorePoint(version, layout, {s: tuple(sorted(r)) for s, r in sorted(held.items())},
+                        source)
 
 
-def newest_held(holdings: Sequence[Holding]) -> StateVersion | None:
+def newest_held(holdings: Sequence[Sequence[Holding]]) -> StateVersion | None:
     """The newest version any rank holds a shard of (complete or not)."""
-    versions = [h.version for h in holdings if h.trained]
+    versions = [h.version for held in holdings for h in held if h.trained]
     return max(versions) if versions else None
 
 

@@ -54,22 +54,35 @@ log = logging.getLogger(__name__)
 Resume = Callable[[Sequence[Claim]], "Agreement | None"]
 
 
-def _encode(holding: Holding) -> list[int]:
-    layout = holding.layout
-    head = [*holding.version.as_ints(),
-            *((layout.generation, layout.world, layout.shards) if layout else (-1, -1, -1)),
-            len(holding.shards)]
-    return head + list(holding.shards) + [-1] * (MAX_HELD - len(holding.shards))
+SLOTS = 2  # holdings one rank reports: its confirmed save and an unconfirmed newer one
+_SLOT_INTS = 8 + MAX_HELD
 
 
-def _decode(ints: Sequence[int]) -> Holding:
-    version = StateVersion.from_ints(ints[:4])
-    gen, world, shards, count = ints[4:8]
-    if world < 0:
-        return Holding(version, None, ())
-    if not 0 <= count <= MAX_HELD or world < 1 or shards < 1 or world % shards:
-        raise ValueError(f"malformed shard holding {tuple(ints)}")
-    return Holding(version, Layout(gen, world, shards), tuple(ints[8:8 + count]))
+def _encode(holdings: Sequence[Holding], values: StateVersion | None) -> list[int]:
+    ints = list(values.as_ints()) if values is not None else [-1, -1, -1, -1]
+    for i in range(SLOTS):
+        holding = holdings[i] if i < len(holdings) else Holding(StateVersion(), None, ())
+        layout = holding.layout
+        ints += [*holding.version.as_ints(),
+                 *((layout.generation, layout.world, layout.shards) if layout else (-1, -1, -1)),
+                 len(holding.shards), *holding.shards,
+                 *([-1] * (MAX_HELD - len(holding.shards)))]
+    return ints
+
+
+def _decode(ints: Sequence[int]) -> tuple[tuple[Holding, ...], StateVersion | None]:
+    values = None if list(ints[:4]) == [-1, -1, -1, -1] else StateVersion.from_ints(ints[:4])
+    out = []
+    for i in range(SLOTS):
+        slot = ints[4 + i * _SLOT_INTS:4 + (i + 1) * _SLOT_INTS]
+        version = StateVersion.from_ints(slot[:4])
+        gen, world, shards, count = slot[4:8]
+        if world < 0:
+            continue
+        if not 0 <= count <= MAX_HELD or world < 1 or shards < 1 or world % shards:
+            raise ValueError(f"malformed shard holding {tuple(slot)}")
+        out.append(Holding(version, Layout(gen, world, shards), tuple(slot[8:8 + count])))
+    return tuple(out), values
 
 
 def regroup(state: ShardedState, claim: Claim, device: torch.device, generation: int,
@@ -79,14 +92,15 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
     Returns the agreement (its source: the rank the other state came from) and whether a
     durable snapshot was loaded.
     """
-    holding = state.holding()
-    mine = torch.tensor([*claim.as_ints(), *_encode(holding)], dtype=torch.int64, device=device)
+    mine = torch.tensor([*claim.as_ints(), *_encode(state.holdings(), state.values_version)],
+                        dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows_ints = [t.cpu().tolist() for t in gathered]
     claims = [Claim.from_ints(r[:Claim.INTS]) for r in rows_ints]
-    holdings = [_decode(r[Claim.INTS:]) for r in rows_ints]
-    point = choose_restore(holdings)
+    decoded = [_decode(r[Claim.INTS:]) for r in rows_ints]
+    holdings = [held for held, _ in decoded]
+    point = choose_restore(holdings, [values for _, values in decoded])
     held_by = set(point.holders()) if point is not None else set()
     # Only ranks holding a complete version count as trained: a shard alone is not state.
     effective = [Claim(point.version if point is not None and r in held_by else StateVersion(),
@@ -110,39 +124,37 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
         version = StateVersion(lineage=new_lineage(claims))
         _finish(state, 0, version)
         return Agreement(0, version), False
-    source = point.holders()[0]
-    _reshard(state, point, layout, device, source)
-    _finish(state, source, point.version)
-    return Agreement(source, point.version), False
+    _reshard(state, point, layout, device, point.holders()[0])
+    _finish(state, point.values_from, point.version)
+    return Agreement(point.values_from, point.version), False
 
 
-def _describe(holdings: Sequence[Holding]) -> str:
+def _describe(holdings: Sequence[Sequence[Holding]]) -> str:
     parts = []
-    for rank, h in enumerate(holdings):
-        if h.layout is not None:
-            parts.append(f"rank {rank}: shards {list(h.shards)} of {h.layout.shards} at "
-                         f"{h.version.commits} commits (generation {h.layout.generation})")
+    for rank, held in enumerate(holdings):
+        for h in held:
+            if h.layout is not None:
+                parts.append(f"rank {rank}: shards {list(h.shards)} of {h.layout.shards} at "
+                             f"{h.version.commits} commits (generation {h.layout.generation})")
     return "; ".join(parts) or "nothing"
 
 
 def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: torch.device,
              source: int) -> None:
     rank = dist.get_rank()
+    saved = state.saved(point.version, point.layout)
     with syncing_from(source):
         if rank == source:
-            catalog = state.saved_catalog()
-            assert catalog is not None
-            payload = encode_values(catalog.describe(), where="ShardedState catalog")
+            assert saved is not None
+            payload = encode_values(saved.catalog.describe(), where="ShardedState catalog")
         else:
             payload = b""
         catalog = Catalog.parse(decode_values(broadcast_bytes(payload)))
-    mine_holds = state.holding()
-    if mine_holds.layout == point.layout and mine_holds.version == point.version:
-        own = state.saved_catalog()
-        if own is None or own.layout() != catalog.layout():
+    if saved is not None:
+        if saved.catalog.layout() != catalog.layout():
             raise ValueError("this rank's saved shards differ in layout from the sync "
                              "source's catalog")
-        held = state.held_rows()
+        held = saved.rows_by_shard()
     else:
         held = {}
     shard = layout.shard_of(rank)
@@ -165,7 +177,8 @@ def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: t
                 new_rows[move.tensor][move.dst_rows[0]:move.dst_rows[1]])
     transfer(outgoing, incoming)
     if rank == source:
-        replicated = [t.clone() for t in state.saved_replicated()]
+        assert saved is not None and saved.replicated is not None
+        replicated = [t.clone() for t in saved.replicated]
     else:
         replicated = [torch.empty(e.shape, dtype=e.torch_dtype, device=device)
                       for e in catalog.replicated]

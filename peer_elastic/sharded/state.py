@@ -16,6 +16,7 @@ shards (fewer under HSDP, where replicas already hold each shard), plus one mess
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,16 +25,52 @@ from torch import nn
 
 from peer_elastic.agreement import StateVersion
 from peer_elastic.sharded.catalog import Catalog, catalog_of, install, live_tensors
-from peer_elastic.sharded.exchange import transfer
+from peer_elastic.sharded.exchange import flat_views, transfer
 from peer_elastic.sharded.plan import MAX_HELD, Holding, Layout, copy_holders, mesh_shape, rows
 from peer_elastic.state import TorchState
-from peer_elastic.torch.snapshots import Buffers
+from peer_elastic.torch.snapshots import copy_all, same_meta
 
-__all__ = ["ShardedState"]
+__all__ = ["SavedShards", "ShardedState"]
 
 ModelBuilder = Callable[[], nn.Module]
 Parallelize = Callable[[nn.Module, Any], "nn.Module | None"]
 OptimizerBuilder = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+@dataclass
+class SavedShards:
+    """One version's rows on this rank, in one layout: its own shard (``own``, None until
+    taken from the live module), the replicated tensors, and copies of other shards."""
+
+    version: StateVersion
+    layout: Layout
+    shard: int
+    catalog: Catalog
+    own: list[torch.Tensor] | None
+    replicated: list[torch.Tensor] | None
+    copies: dict[int, list[torch.Tensor]]
+
+    def holding(self) -> Holding:
+        shards = (self.shard, *sorted(s for s in self.copies if s != self.shard))
+        return Holding(self.version, self.layout, shards[:MAX_HELD])
+
+    def rows_by_shard(self) -> dict[int, list[torch.Tensor]]:
+        """Rows of every sharded tensor (catalog order) by the shard they belong to."""
+        assert self.own is not None
+        return {**self.copies, self.shard: self.own}
+
+
+def _copies_of(tensors: list[torch.Tensor], reuse: list[torch.Tensor] | None
+               ) -> list[torch.Tensor]:
+    """Copies of ``tensors``, into ``reuse``'s buffers where their shapes and dtypes match."""
+    out = []
+    for i, t in enumerate(tensors):
+        kept = reuse[i] if reuse is not None and i < len(reuse) else None
+        if kept is None or not same_meta(kept, t):
+            kept = torch.empty_like(t, memory_format=torch.contiguous_format)
+        out.append(kept)
+    copy_all(out, [t.detach() for t in tensors])
+    return out
 
 
 def _forget_old_meshes() -> None:
@@ -106,14 +143,12 @@ class ShardedState(TorchState):
         object.__setattr__(self, "_optim", None)
         object.__setattr__(self, "_mesh", None)
         object.__setattr__(self, "_shard_layout", None)  # of the live module
-        # What the last save kept (one version, one layout) and what it was called.
-        object.__setattr__(self, "_own", Buffers())
-        object.__setattr__(self, "_own_replicated", Buffers())
-        object.__setattr__(self, "_saved_catalog", None)
-        object.__setattr__(self, "_saved_version", None)
-        object.__setattr__(self, "_saved_layout", None)
-        object.__setattr__(self, "_saved_shard", -1)
-        object.__setattr__(self, "_copies", {})
+        # What the last save every rank confirmed kept; a newer one whose copies arrived
+        # here but was not confirmed everywhere (its own rows: the live ones, taken at the
+        # restore); the version the other state (sampler, values) was last saved at.
+        object.__setattr__(self, "_confirmed", None)
+        object.__setattr__(self, "_unconfirmed", None)
+        object.__setattr__(self, "_values_version", None)
         object.__setattr__(self, "_next_version", StateVersion())
         self._adopt_values(kwargs)
 
@@ -219,36 +254,36 @@ class ShardedState(TorchState):
 
     # -- what survives a generation ---------------------------------------------------------
 
-    def holding(self) -> Holding:
-        """What the last save left on this rank (its own shard first)."""
-        if self._saved_version is None or self._saved_layout is None:
-            return Holding(StateVersion(), None, ())
-        shards = (self._saved_shard, *sorted(s for s in self._copies if s != self._saved_shard))
-        return Holding(self._saved_version, self._saved_layout, shards[:MAX_HELD])
+    def holdings(self) -> tuple[Holding, ...]:
+        """What the saves left on this rank: the last confirmed one, and a newer one whose
+        copies arrived here but whose confirmation was cut short (after a restore)."""
+        return tuple(saved.holding() for saved in (self._confirmed, self._unconfirmed)
+                     if saved is not None and saved.own is not None)
 
-    def saved_catalog(self) -> Catalog | None:
-        return self._saved_catalog
+    @property
+    def values_version(self) -> StateVersion | None:
+        """The version the other state (sampler, plain values) was last saved at."""
+        return self._values_version
 
-    def held_rows(self) -> dict[int, list[torch.Tensor]]:
-        """Rows of every sharded tensor (catalog order) by the shard they belong to."""
-        assert self._saved_catalog is not None
-        held = {s: list(rows) for s, rows in self._copies.items()}
-        held[self._saved_shard] = [self._own[i] for i in range(len(self._saved_catalog.sharded))]
-        return held
-
-    def saved_replicated(self) -> list[torch.Tensor]:
-        assert self._saved_catalog is not None
-        return [self._own_replicated[i] for i in range(len(self._saved_catalog.replicated))]
+    def saved(self, version: StateVersion, layout: Layout) -> SavedShards | None:
+        """The saved rows of that version in that layout, if this rank holds them."""
+        for saved in (self._confirmed, self._unconfirmed):
+            if saved is not None and saved.own is not None and saved.version == version \
+                    and saved.layout == layout:
+                return saved
+        return None
 
     def expect_save(self, version: StateVersion) -> None:
         """The version the next :meth:`save` saves (the run loop names it first)."""
         object.__setattr__(self, "_next_version", version)
 
     def save(self) -> None:
-        """Keep this rank's shard and send its copies (collective once a group formed)."""
-        if self._module is not None:
-            self._save_shards(self._next_version, ())
-        super().save()
+        """Save the live state as the version :meth:`expect_save` named: this rank's rows and
+        the copies of other ranks' (collective once a group formed), then the rest."""
+        if self._module is None:
+            super().save()
+            return
+        self._save(self._next_version, ())
 
     def hand_off(self, version: StateVersion, leaving: bool) -> None:
         """Collective in a group that is about to be replaced: save ``version`` (the live
@@ -257,31 +292,34 @@ class ShardedState(TorchState):
         flags[dist.get_rank()] = int(leaving)
         device_flags = flags.to(self._device())
         dist.all_reduce(device_flags)
-        gone = [r for r, f in enumerate(device_flags.cpu().tolist()) if f]
-        self._save_shards(version, gone)
-        super().save()
+        self._save(version, [r for r, f in enumerate(device_flags.cpu().tolist()) if f])
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
             return p.device
         return torch.device("cpu")
 
-    def _save_shards(self, version: StateVersion, leaving: Iterable[int]) -> None:
+    def _save(self, version: StateVersion, leaving: Iterable[int]) -> None:
+        """The save, in an order that keeps a complete version in the group whatever rank
+        dies during it (with at most ``redundancy`` dead):
+
+        1. the live rows go to the ranks that keep copies of them, into new buffers (the
+           previous copies stay);
+        2. the other state is saved (this version's values);
+        3. one all-reduce: every rank has its copies. Only then does the last save give way
+           (the own rows are copied from the live ones, the new copies replace the old).
+
+        Cut short before 3 completes anywhere, every rank still holds the previous save
+        whole. Cut short after, every copy of this version exists; a rank whose own step 3
+        did not complete keeps this version as unconfirmed, its own rows taken from the live
+        ones at the restore (no step ran since), so the group finds it complete."""
         layout = self._shard_layout
         assert layout is not None and self._module is not None
+        object.__setattr__(self, "_unconfirmed", None)
         sharded, replicated = live_tensors(self._module, self._optim)
         locals_ = [t.to_local() for _, t in sharded]
         rank = dist.get_rank()
-        # Our own shard first: a local copy, which cannot fail. A save cut short by a failure
-        # below still leaves every rank that got here with this version's own shard.
-        self._own.capture(enumerate(locals_))
-        self._own_replicated.capture(enumerate(t for _, t in replicated))
-        previous = self._copies
-        object.__setattr__(self, "_copies", {})
-        object.__setattr__(self, "_saved_catalog", catalog_of(self._module, self._optim))
-        object.__setattr__(self, "_saved_version", version)
-        object.__setattr__(self, "_saved_layout", layout)
-        object.__setattr__(self, "_saved_shard", layout.shard_of(rank))
+        device = locals_[0].device if locals_ else torch.device("cpu")
         outgoing: dict[int, list[torch.Tensor]] = {}
         incoming: dict[int, list[torch.Tensor]] = {}
         received: dict[int, list[torch.Tensor]] = {}
@@ -292,23 +330,42 @@ class ShardedState(TorchState):
                 if sender == rank:
                     outgoing[holder] = locals_
                 if holder == rank:
-                    old = previous.get(shard, [])
-                    bufs = []
-                    for i, (_, t) in enumerate(sharded):
+                    shapes = []
+                    for _, t in sharded:
                         lo, hi = rows(t.shape[0], layout.shards, shard)
-                        shape = (hi - lo, *t.shape[1:])
-                        kept = old[i] if i < len(old) else None
-                        if kept is None or tuple(kept.shape) != shape or kept.dtype != t.dtype:
-                            kept = torch.empty(shape, dtype=t.dtype, device=locals_[i].device)
-                        bufs.append(kept)
-                    incoming[sender] = received[shard] = bufs
+                        shapes.append(((hi - lo, *t.shape[1:]), t.dtype))
+                    incoming[sender] = received[shard] = flat_views(shapes, device)
         transfer(outgoing, incoming)
-        object.__setattr__(self, "_copies", received)
+        pending = SavedShards(version, layout, layout.shard_of(rank),
+                              catalog_of(self._module, self._optim), None, None, received)
+        object.__setattr__(self, "_unconfirmed", pending)
+        super().save()
+        object.__setattr__(self, "_values_version", version)
+        done = torch.ones(1, dtype=torch.int64, device=device)
+        dist.all_reduce(done)
+        previous = self._confirmed
+        reuse = previous is not None and previous.layout == layout and previous.own is not None
+        own = _copies_of(locals_, previous.own if reuse and previous is not None else None)
+        reps = _copies_of([t for _, t in replicated],
+                          previous.replicated if reuse and previous is not None else None)
+        object.__setattr__(self, "_confirmed", SavedShards(
+            version, layout, pending.shard, pending.catalog, own, reps, received))
+        object.__setattr__(self, "_unconfirmed", None)
 
     def restore(self) -> None:
         """Back to the last commit: the plain values and other handlers here; the model and
         optimizer are rebuilt from the saved shards when the next group forms (the live
-        module belongs to a group that failed)."""
+        module belongs to a group that failed). A save whose copies all arrived but whose
+        confirmation was cut short takes its own rows from the live module now: nothing
+        trained since."""
+        pending = self._unconfirmed
+        if pending is not None and pending.own is None:
+            if self._module is not None and self._shard_layout == pending.layout:
+                sharded, replicated = live_tensors(self._module, self._optim)
+                pending.own = _copies_of([t.to_local() for _, t in sharded], None)
+                pending.replicated = _copies_of([t for _, t in replicated], None)
+            else:
+                object.__setattr__(self, "_unconfirmed", None)
         super().restore()
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -92,6 +92,11 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   collective gather: test-only), so a test can compare the state a reset resharded with the
   commit it came from.
 
+* ``WORKER_DIE_IN_SAVE=<n>:<rank>:<phase>``: (sharded) at its ``n``-th save, the rank that is
+  ``rank`` of its group exits at once (``os._exit``, as a SIGKILL): ``transfer`` before its
+  copies leave (the others wait for them in vain), ``confirm`` once they arrived, before the
+  save's confirming all-reduce. Prints ``DYING <phase>`` first.
+
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
 holds (the model's counts and the sampler's progress come from the same snapshot, so the
@@ -141,6 +146,7 @@ STEP_TIMES = os.environ.get("WORKER_STEP_TIMES") == "1"
 RESULT_PATH = os.environ.get("WORKER_RESULT")
 SHARDED = os.environ.get("WORKER_SHARDED", "")
 COMMIT_DIGEST = os.environ.get("WORKER_COMMIT_DIGEST") == "1"
+DIE_IN_SAVE = os.environ.get("WORKER_DIE_IN_SAVE", "")
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
@@ -389,6 +395,28 @@ def sharded_parts() -> dict[str, object]:
             "redundancy": redundancy}
 
 
+def die_in_save() -> None:
+    """WORKER_DIE_IN_SAVE: wrap the sharded state's transfer so that one rank dies in it."""
+    import peer_elastic.sharded.state as sharded_state
+
+    nth, rank, phase = DIE_IN_SAVE.split(":")
+    real = sharded_state.transfer
+    calls = [0]
+
+    def transfer(outgoing, incoming):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        dying = calls[0] == int(nth) and dist.get_rank() == int(rank)
+        if dying and phase == "transfer":
+            say("DYING", phase)
+            os._exit(9)
+        real(outgoing, incoming)
+        if dying:
+            say("DYING", phase)
+            os._exit(9)
+
+    sharded_state.transfer = transfer  # type: ignore[assignment]
+
+
 def sharded_digest(state: pe.ShardedState) -> str:
     """Digest of the gathered state (collective: every rank calls it at the same point)."""
     from torch.distributed.tensor import DTensor
@@ -459,6 +487,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
         plain = {"steps": 0, "samples": 0.0} if PLAIN else {}
         if SHARDED:
             state = pe.ShardedState(**sharded_parts(), sampler=sampler, epoch=0, **plain)
+            if DIE_IN_SAVE:
+                die_in_save()
         else:
             counter = Counter()
             net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
