@@ -59,12 +59,22 @@ def _one_span(group: Sequence[torch.Tensor]) -> torch.Tensor | None:
         storage, first.storage_offset(), (total,))
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The tensors grouped by dtype, groups in order of first appearance."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+#: A tensor at least this large travels as a message of its own, sent and received where it
+#: lies (no packing copy); smaller ones of one dtype are packed into one message.
+DIRECT_BYTES = 1 << 20
+
+
+def _messages(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The messages a list travels in, the same on both sides of a pair (they list tensors
+    of the same sizes): each large tensor alone, in order, then one pack per dtype."""
+    alone: list[list[torch.Tensor]] = []
+    packs: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
+        if t.numel() * t.element_size() >= DIRECT_BYTES:
+            alone.append([t])
+        else:
+            packs.setdefault(t.dtype, []).append(t)
+    return alone + list(packs.values())
 
 
 def transfer(outgoing: Mapping[int, Sequence[torch.Tensor]],
@@ -76,18 +86,21 @@ def transfer(outgoing: Mapping[int, Sequence[torch.Tensor]],
     unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
     keep: list[torch.Tensor] = []
     for peer in sorted(set(outgoing) | set(incoming)):
-        for tag, group in enumerate(_by_dtype(outgoing.get(peer, ()))):
+        for tag, group in enumerate(_messages(outgoing.get(peer, ()))):
             if sum(t.numel() for t in group) == 0:
                 continue
-            flat = torch.cat([t.reshape(-1) for t in group])
+            if len(group) == 1:
+                flat = group[0].detach().contiguous().reshape(-1)
+            else:
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
             keep.append(flat)
             ops.append(dist.P2POp(dist.isend, flat, peer, tag=tag))
-        for tag, group in enumerate(_by_dtype(incoming.get(peer, ()))):
+        for tag, group in enumerate(_messages(incoming.get(peer, ()))):
             total = sum(t.numel() for t in group)
             if total == 0:
                 continue
             span = _one_span(group)
-            if span is not None:  # received in place
+            if span is not None:  # received where it lies
                 ops.append(dist.P2POp(dist.irecv, span, peer, tag=tag))
                 continue
             flat = torch.empty(total, dtype=group[0].dtype, device=group[0].device)
