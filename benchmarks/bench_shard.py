@@ -313,12 +313,14 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
         for name, fn in variants.items():
             times[name].append(timed(fn))
     out["commit"] = slowest(times)
+    del fn  # the last variant: its receive buffer would stay resident
     variants.clear()
     bufs.clear()
     locals_.clear()
     out["memory_commit"] = {k: v - baseline for k, v in commit_mem.items()}
     out["shard_bytes_w3"] = shard_b
     out["copy_bytes_w3"] = sum(n for (s, r), n in copies.items() if s == rank)
+    held = [("after the commits", Resident.now() - baseline)]
     before = checksum(state.model, state.optimizer)
     saved_version = version()
 
@@ -328,6 +330,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     del msd, osd
     out["dcp_save_s"] = time.perf_counter() - start
+    held.append(("after the DCP save", Resident.now() - baseline))
     dist.barrier()
 
     # 3. the crash; the survivors form a new group on a new store.
@@ -372,6 +375,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
         raw["raw_moves"].append(timed(fns["moves"]))
         raw["raw_moves_and_copies"].append(timed(raw_both))
     fns.clear()  # their buffers
+    held.append(("after the raw transfers", Resident.now() - baseline))
 
     # regroup, its parts timed by wrapping what it calls.
     parts: dict[str, float] = {"transfer": 0.0, "rebuild": 0.0, "finish": 0.0}
@@ -407,7 +411,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
     out["regroup"] = {k: v[0] for k, v in reg.items()}
     out["raw"] = slowest(raw)
     out["memory_reshard"] = {k: v - baseline for k, v in reshard_mem.items()}
-    out["memory_reshard_marks"] = marks
+    out["memory_reshard_marks"] = held + marks
     out["checksum_match"] = before == after
 
     # the same state from the DCP checkpoint at world 2: a fresh FSDP2 model and Adam.
