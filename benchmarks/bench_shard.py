@@ -47,7 +47,7 @@ optimizer state, plus its largest message.
 
 Usage::
 
-    python benchmarks/bench_shard.py --out shard.json                 # 50M params (~5 min)
+    python benchmarks/bench_shard.py --out shard.json                 # 50M params (~3-5 min)
     python benchmarks/bench_shard.py --params 5 --rounds 1            # smaller, faster
     python benchmarks/bench_shard.py --params 0.005 --rounds 1 --reps 2   # smoke, seconds
 """
