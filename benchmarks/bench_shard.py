@@ -342,10 +342,12 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
     dist.barrier()
 
     holdings: list[Any] = [None] * (WORLD - 1)
-    dist.all_gather_object(holdings, state.holding())
-    point = choose_restore(holdings)
-    catalog = state.saved_catalog()
-    assert point is not None and catalog is not None
+    dist.all_gather_object(holdings, (state.holdings(), state.values_version))
+    point = choose_restore([h for h, _ in holdings], [v for _, v in holdings])
+    assert point is not None
+    saved = state.saved(point.version, point.layout)
+    assert saved is not None
+    catalog = saved.catalog
     new_layout = Layout(2, WORLD - 1, WORLD - 1)
     row_bytes = [math.prod(e.row_shape) * e.torch_dtype.itemsize for e in catalog.sharded]
     moves = senders_by_pair(plan_moves([e.rows for e in catalog.sharded], point, new_layout))

@@ -9,8 +9,9 @@ once without losing a row. When a group forms, :mod:`peer_elastic.sharded.regrou
 fresh module on the new mesh (``build`` under ``torch.device("meta")``, then the user's
 ``parallelize``) and fills it from those copies: no disk, no rank ever holding the full model.
 
-Memory per rank: the live shard, its saved copy and ``redundancy`` copies of other ranks'
-shards (fewer under HSDP, where replicas already hold each shard), plus one message in flight.
+Memory per rank between commits: the live shard, its saved copy and ``redundancy`` copies of
+other ranks' shards (fewer under HSDP, where replicas already hold each shard). During a
+commit the previous copies stay until every rank confirmed the new ones (:meth:`_save`).
 """
 
 from __future__ import annotations
