@@ -440,6 +440,10 @@ class Peer:
         # when their version matches: it costs one sync and relies on nothing they kept.
         need = not self._synced_once or self._group.assignment.joined
         t0 = time.perf_counter()
+        if isinstance(state, ShardedState):
+            agreement, looked = self._regroup(state, need)
+            self._agreed(agreement, t0, looked)
+            return
         resume_from_snapshot = None
         newest_snapshot = None
         if self.snapshots is not None:
@@ -456,11 +460,12 @@ class Peer:
             return resume_from_snapshot(claims) if resume_from_snapshot is not None else None
 
         claim = Claim(self._live, need, newest_snapshot, time.time_ns())
-        if isinstance(state, ShardedState):
-            agreement, resumed = self._regroup(state, need)
-        else:
-            agreement = agree_and_sync(state, claim, self.device, resume,
-                                       committed=self._committed)
+        agreement = agree_and_sync(state, claim, self.device, resume, committed=self._committed)
+        self._agreed(agreement, t0, resumed)
+
+    def _agreed(self, agreement: Agreement, t0: float, resumed: bool) -> None:
+        """What every new group does once its state is agreed (``resumed``: it looked for a
+        durable snapshot)."""
         if agreement.source is not None:
             self._observer.on_sync(time.perf_counter() - t0)
         self._report_lost_state(agreement.version, held=not resumed)

@@ -89,8 +89,9 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
             resume: Resume | None = None) -> tuple[Agreement, bool]:
     """Give every rank of the new group its shard of the newest complete state.
 
-    Returns the agreement (its source: the rank the other state came from) and whether a
-    durable snapshot was loaded.
+    Returns the agreement (its source: the rank the other state came from) and whether the
+    group looked for a durable snapshot (nobody held a complete trained version, or one
+    newer than it was seen): what the run loop's report of lost state needs.
     """
     mine = torch.tensor([*claim.as_ints(), *_encode(state.holdings(), state.values_version)],
                         dtype=torch.int64, device=device)
@@ -106,7 +107,8 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
     effective = [Claim(point.version if point is not None and r in held_by else StateVersion(),
                        c.needs_state, c.snapshot, c.proposal) for r, c in enumerate(claims)]
     layout = state.new_layout(generation)
-    if resume is not None and should_resume(effective):
+    tried = should_resume(effective)
+    if resume is not None and tried:
         resumed = resume(effective)
         if resumed is not None:
             _finish(state, resumed.source or 0, resumed.version)
@@ -123,10 +125,10 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
         state.build_initial(layout, device)
         version = StateVersion(lineage=new_lineage(claims))
         _finish(state, 0, version)
-        return Agreement(0, version), False
+        return Agreement(0, version), tried
     _reshard(state, point, layout, device, point.holders()[0])
     _finish(state, point.values_from, point.version)
-    return Agreement(point.values_from, point.version), False
+    return Agreement(point.values_from, point.version), tried
 
 
 def _describe(holdings: Sequence[Sequence[Holding]]) -> str:
