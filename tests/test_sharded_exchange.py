@@ -143,3 +143,26 @@ def test_a_sharded_state_comes_back_bit_identical_at_fewer_ranks(tmp_path: Path)
 def test_a_sharded_state_comes_back_bit_identical_with_a_joiner(tmp_path: Path) -> None:
     run_world(functools.partial(_round_trip, first=2, second=3), 3, tmp_path)
     _check_round_trip(tmp_path, 3)
+
+
+def test_sharded_state_refuses_what_cannot_be_rebuilt_and_says_why() -> None:
+    import pytest
+
+    import peer_elastic as pe
+
+    with pytest.raises(TypeError, match="function that builds the module"):
+        pe.ShardedState(model=_Net(), parallelize=_parallelize)
+    with pytest.raises(TypeError, match="not an optimizer"):
+        net = _Net()
+        pe.ShardedState(model=_Net, parallelize=_parallelize,
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="shard_degree"):
+        pe.ShardedState(model=_Net, parallelize=_parallelize, shard_degree=0)
+    with pytest.raises(ValueError, match="redundancy"):
+        pe.ShardedState(model=_Net, parallelize=_parallelize, redundancy=-1)
+    with pytest.raises(ValueError, match="reserved"):
+        pe.ShardedState(model=_Net, parallelize=_parallelize, mesh=1)
+    state = pe.ShardedState(model=_Net, parallelize=_parallelize, epoch=3)
+    assert state.epoch == 3 and state.layout is None and state.holdings() == ()
+    with pytest.raises(RuntimeError, match="inside the training function"):
+        _ = state.model
