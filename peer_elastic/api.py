@@ -27,6 +27,7 @@ from peer_elastic.errors import (
     JobFinished,
     PeerElasticError,
     ResetLimitExceeded,
+    ShardedStateLost,
 )
 from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
@@ -160,7 +161,7 @@ def join(
         # Restart=on-failure and RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(0 if exc.success else EXIT_JOB_FAILED) from None
-    except (ElasticTimeout, ResetLimitExceeded) as exc:
+    except (ElasticTimeout, ResetLimitExceeded, ShardedStateLost) as exc:
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_JOB_FAILED) from None
     finally:

@@ -44,6 +44,7 @@ from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     LeaveRequested,
     PeerElasticError,
+    ShardedStateLost,
 )
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.stop import RESET_NOW, stop_reason
@@ -330,6 +331,9 @@ class Peer:
                                 raise
                             self._on_collective_failure(state, failure)
                     continue
+                except ShardedStateLost as exc:
+                    self._fail_job(exc)
+                    raise
                 except PeerElasticError:
                     raise
                 except Exception as exc:
@@ -359,6 +363,19 @@ class Peer:
         with self._liveness.collective():
             state.hand_off(self._live, leaving)
         self._committed = self._live
+
+    def _fail_job(self, exc: ShardedStateLost) -> None:
+        """Sharded state lost beyond what memory and disk hold: say so (the ``state_lost``
+        event and metric) and end the run as failed, so that standbys and late peers stop
+        too instead of training from the initial weights."""
+        log.error("%s", exc)
+        self.stats.count("states_lost")
+        if self.rank == 0:
+            self._progress.offer_event("state_lost", str(exc)[:500], self.generation, {})
+        try:
+            self.coordinator.finish(False, "sharded state lost")
+        except PeerElasticError as e:
+            log.warning("could not record the failed end of the run: %s", e)
 
     def _on_collective_failure(self, state: Any, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""

@@ -116,12 +116,14 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
     if point is None:
         lost = newest_held(holdings)
         if lost is not None:
+            disk = ("no durable snapshot could be loaded (none written yet, or none "
+                    "readable)" if resume is not None else
+                    "the job has no snapshot_dir: set one to resume from disk in that case")
             raise ShardedStateLost(
                 f"sharded state lost: no rank of this group holds every shard of any trained "
                 f"version (the newest held is {lost.commits} commits; held: "
-                f"{_describe(holdings)}) and no durable snapshot loaded. More peers died at "
-                f"once than redundancy={state.redundancy} covers; set snapshot_dir to "
-                "resume from disk in that case")
+                f"{_describe(holdings)}). More peers died at once than "
+                f"redundancy={state.redundancy} covers, and {disk}")
         state.build_initial(layout, device)
         version = StateVersion(lineage=new_lineage(claims))
         _finish(state, 0, version)
