@@ -132,7 +132,7 @@ def resume(state: Any, directory: SnapshotDir, generation: int, device: torch.de
     above = held if held.trained else None
     skip: set[SnapshotId] = set()
     while True:
-        found = directory.newest_complete(frozenset(skip), above=above)
+        found = directory.newest_complete(frozenset(skip), above=above, sharded=False)
         mine = _as_ints(found.id) if found is not None else _NONE
         buf = torch.tensor(mine, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(buf) for _ in range(world)]

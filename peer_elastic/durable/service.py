@@ -107,7 +107,7 @@ class DurableSnapshots:
 
     def newest_version(self) -> StateVersion | None:
         """The version of the newest complete snapshot this peer can see (for its claim)."""
-        newest = self.directory.newest_complete()
+        newest = self.directory.newest_complete(sharded=False)
         return newest.id.version if newest is not None else None
 
     def resumer(self, state: Any, generation: int,

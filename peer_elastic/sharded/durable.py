@@ -63,14 +63,14 @@ class ShardedSnapshots:
                                              listener=self._listener,
                                              hang_exempt=self._hang_exempt)
 
-    def after_commit(self, state: ShardedState, info: SnapshotInfo, device: torch.device,
-                     force: bool = False) -> bool:
+    def after_commit(self, state: ShardedState, info: SnapshotInfo,
+                     device: torch.device) -> bool:
         """Collective right after a commit: write a snapshot if one is due on rank 0 and no
         rank is still writing the last one. Returns whether one was started."""
         writer = self._writer
         if writer is None:
             return False
-        due = force or time.monotonic() - self._last >= self.every_s
+        due = time.monotonic() - self._last >= self.every_s
         rank0 = dist.get_rank() == 0
         flags = torch.tensor([int(due and rank0), int(writer.busy()),
                               time.time_ns() if rank0 else 0], dtype=torch.int64, device=device)
@@ -89,19 +89,6 @@ class ShardedSnapshots:
         return writer.offer(tensors, replicated, plain, sid, run_id=info.run_id,
                             generation=info.generation,
                             epoch=epoch if isinstance(epoch, int) else 0)
-
-    def final(self, state: ShardedState, info: SnapshotInfo, device: torch.device,
-              timeout: float = 120.0) -> bool:
-        """Collective: a snapshot of the live state now (every rank leaving together, such as
-        a whole job drained), waited for. Returns whether this rank's part was written."""
-        writer = self._writer
-        if writer is None:
-            return False
-        writer.wait_idle(timeout)
-        before = writer.written
-        if not self.after_commit(state, info, device, force=True):
-            return False
-        return writer.wait_idle(timeout) and writer.written > before
 
     def newest_version(self) -> StateVersion | None:
         newest = self.directory.newest_complete(sharded=True)
