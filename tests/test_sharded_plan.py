@@ -24,6 +24,7 @@ from peer_elastic.sharded.plan import (
     newest_held,
     plan_moves,
     rows,
+    wanted_shards,
 )
 
 V1 = StateVersion(1, 5, 2, 9)
@@ -148,17 +149,19 @@ def test_moves_give_every_new_rank_exactly_its_rows() -> None:
         sources = {s: tuple(sorted(rng.sample(range(new.world), rng.randint(1, min(3, new.world)))))
                    for s in range(old.shards)}
         point = RestorePoint(V1, old, sources, 0)
-        moves = plan_moves(row_counts, point, new)
-        got: dict[tuple[int, int], list[int]] = {}
+        wanted = wanted_shards(new, rng.randint(0, 2))
+        moves = plan_moves(row_counts, point, new, wanted)
+        got: dict[tuple[int, int, int], list[int]] = {}
         for m in moves:
             assert m.sender in sources[m.shard]
             assert m.sender == m.receiver or m.receiver not in sources[m.shard]
             o_lo, _ = rows(row_counts[m.tensor], old.shards, m.shard)
-            n_lo, _ = rows(row_counts[m.tensor], new.shards, new.shard_of(m.receiver))
+            n_lo, _ = rows(row_counts[m.tensor], new.shards, m.target)
             src = list(range(o_lo + m.src_rows[0], o_lo + m.src_rows[1]))
             assert src == list(range(n_lo + m.dst_rows[0], n_lo + m.dst_rows[1]))
-            got.setdefault((m.receiver, m.tensor), []).extend(src)
-        for receiver in range(new.world):
+            got.setdefault((m.receiver, m.target, m.tensor), []).extend(src)
+        assert all((r, new.shard_of(r)) in wanted for r in range(new.world))
+        for receiver, target in wanted:
             for t, n in enumerate(row_counts):
-                lo, hi = rows(n, new.shards, new.shard_of(receiver))
-                assert sorted(got.get((receiver, t), [])) == list(range(lo, hi))
+                lo, hi = rows(n, new.shards, target)
+                assert sorted(got.get((receiver, target, t), [])) == list(range(lo, hi))

@@ -37,6 +37,7 @@ __all__ = [
     "plan_moves",
     "rows",
     "senders_by_pair",
+    "wanted_shards",
 ]
 
 
@@ -207,7 +208,8 @@ def newest_held(holdings: Sequence[Sequence[Holding]]) -> StateVersion | None:
 @dataclass(frozen=True)
 class Move:
     """Rows of one tensor that one new rank needs: ``src_rows`` of old shard ``shard``'s local
-    rows, held by new rank ``sender``, become ``dst_rows`` of new rank ``receiver``'s."""
+    rows, held by new rank ``sender``, become ``dst_rows`` of new shard ``target``'s rows on
+    new rank ``receiver`` (its own shard, or a copy it keeps of another)."""
 
     tensor: int
     shard: int
@@ -215,6 +217,7 @@ class Move:
     receiver: int
     src_rows: tuple[int, int]
     dst_rows: tuple[int, int]
+    target: int = 0
 
     @property
     def local(self) -> bool:
@@ -225,17 +228,30 @@ class Move:
         return self.src_rows[1] - self.src_rows[0]
 
 
-def plan_moves(row_counts: Sequence[int], point: RestorePoint, new: Layout) -> list[Move]:
+def wanted_shards(new: Layout, redundancy: int) -> list[tuple[int, int]]:
+    """(rank, new shard) for every rank's own shard and every copy it keeps in ``new``
+    (:func:`copy_holders`): what a new group needs in memory before it trains."""
+    wanted = [(rank, new.shard_of(rank)) for rank in range(new.world)]
+    for shard, holders in copy_holders(new, redundancy).items():
+        wanted += [(holder, shard) for holder in holders]
+    return wanted
+
+
+def plan_moves(row_counts: Sequence[int], point: RestorePoint, new: Layout,
+               wanted: Sequence[tuple[int, int]] | None = None) -> list[Move]:
     """Every move that gives each rank of ``new`` its rows of every tensor.
 
-    ``row_counts[t]`` is tensor ``t``'s dim 0. The sender of old shard ``s``'s rows to new
-    rank ``j`` is ``j`` itself when it holds ``s``, else one of ``s``'s holders, chosen by
-    ``j`` so that the receivers of one shard spread over its holders.
+    ``row_counts[t]`` is tensor ``t``'s dim 0. ``wanted``: the (rank, new shard) pairs to
+    fill, by default each rank's own shard (:func:`wanted_shards` adds the copies). The
+    sender of old shard ``s``'s rows to new rank ``j`` is ``j`` itself when it holds ``s``,
+    else one of ``s``'s holders, chosen by ``j`` so that the receivers of one shard spread
+    over its holders.
     """
     old = point.layout
+    if wanted is None:
+        wanted = [(rank, new.shard_of(rank)) for rank in range(new.world)]
     moves: list[Move] = []
-    for receiver in range(new.world):
-        new_shard = new.shard_of(receiver)
+    for receiver, new_shard in wanted:
         for shard, holders in point.sources.items():
             sender = receiver if receiver in holders else holders[receiver % len(holders)]
             for t, n in enumerate(row_counts):
@@ -244,7 +260,8 @@ def plan_moves(row_counts: Sequence[int], point: RestorePoint, new: Layout) -> l
                 lo, hi = max(o_lo, n_lo), min(o_hi, n_hi)
                 if lo < hi:
                     moves.append(Move(t, shard, sender, receiver,
-                                      (lo - o_lo, hi - o_lo), (lo - n_lo, hi - n_lo)))
+                                      (lo - o_lo, hi - o_lo), (lo - n_lo, hi - n_lo),
+                                      new_shard))
     return moves
 
 

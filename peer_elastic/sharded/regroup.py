@@ -33,7 +33,7 @@ from peer_elastic.agreement import Agreement, Claim, StateVersion, new_lineage, 
 from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.errors import ShardedStateLost
 from peer_elastic.sharded.catalog import Catalog
-from peer_elastic.sharded.exchange import transfer
+from peer_elastic.sharded.exchange import flat_views, transfer
 from peer_elastic.sharded.plan import (
     MAX_HELD,
     Holding,
@@ -43,6 +43,7 @@ from peer_elastic.sharded.plan import (
     newest_held,
     plan_moves,
     rows,
+    wanted_shards,
 )
 from peer_elastic.sharded.state import ShardedState
 from peer_elastic.torch.collectives import broadcast_bytes, broadcast_tensors, syncing_from
@@ -128,8 +129,8 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
         version = StateVersion(lineage=new_lineage(claims))
         _finish(state, 0, version)
         return Agreement(0, version), tried
-    _reshard(state, point, layout, device, point.holders()[0])
-    _finish(state, point.values_from, point.version)
+    copies = _reshard(state, point, layout, device, point.holders()[0])
+    _finish(state, point.values_from, point.version, copies)
     return Agreement(point.values_from, point.version), tried
 
 
@@ -144,7 +145,9 @@ def _describe(holdings: Sequence[Sequence[Holding]]) -> str:
 
 
 def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: torch.device,
-             source: int) -> None:
+             source: int) -> dict[int, list[torch.Tensor]]:
+    """Build the module on the new mesh filled with this rank's rows of ``point``; returns
+    the copies of other shards this rank keeps in the new layout (moved along)."""
     rank = dist.get_rank()
     saved = state.saved(point.version, point.layout)
     with syncing_from(source):
@@ -161,25 +164,31 @@ def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: t
         held = saved.rows_by_shard()
     else:
         held = {}
-    shard = layout.shard_of(rank)
-    new_rows: list[torch.Tensor] = []
-    for entry in catalog.sharded:
-        lo, hi = rows(entry.rows, layout.shards, shard)
-        new_rows.append(torch.empty((hi - lo, *entry.row_shape), dtype=entry.torch_dtype,
-                                    device=device))
+    # This rank's new shard, and the copies it keeps of others in the new layout: all come
+    # in one transfer (the old holders send the copies too), not a second one after it.
+    wanted = wanted_shards(layout, state.redundancy)
+    targets: dict[int, list[torch.Tensor]] = {}
+    for who, shard in wanted:
+        if who == rank:
+            shapes = []
+            for entry in catalog.sharded:
+                lo, hi = rows(entry.rows, layout.shards, shard)
+                shapes.append(((hi - lo, *entry.row_shape), entry.torch_dtype))
+            targets[shard] = flat_views(shapes, device)
     outgoing: dict[int, list[torch.Tensor]] = {}
     incoming: dict[int, list[torch.Tensor]] = {}
-    for move in plan_moves([e.rows for e in catalog.sharded], point, layout):
+    for move in plan_moves([e.rows for e in catalog.sharded], point, layout, wanted):
         if move.sender == rank:
             src = held[move.shard][move.tensor][move.src_rows[0]:move.src_rows[1]]
             if move.receiver == rank:
-                new_rows[move.tensor][move.dst_rows[0]:move.dst_rows[1]].copy_(src)
+                targets[move.target][move.tensor][move.dst_rows[0]:move.dst_rows[1]].copy_(src)
             else:
                 outgoing.setdefault(move.receiver, []).append(src)
         elif move.receiver == rank:
             incoming.setdefault(move.sender, []).append(
-                new_rows[move.tensor][move.dst_rows[0]:move.dst_rows[1]])
+                targets[move.target][move.tensor][move.dst_rows[0]:move.dst_rows[1]])
     transfer(outgoing, incoming)
+    new_rows = targets.pop(layout.shard_of(rank))
     if rank == source:
         assert saved is not None and saved.replicated is not None
         replicated = [t.clone() for t in saved.replicated]
@@ -189,16 +198,24 @@ def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: t
     with syncing_from(source):
         broadcast_tensors(replicated)
     state.rebuild(layout, device, catalog, new_rows, replicated)
+    del held, new_rows  # the new module holds its rows; the old layout's stay in the state
     moved = sum(t.numel() * t.element_size() for ts in incoming.values() for t in ts)
     log.info("resharded %d tensors from %d x %d to %d x %d shards at %d commits "
-             "(%d bytes received)", len(catalog.sharded), point.layout.replicas,
-             point.layout.shards, layout.replicas, layout.shards, point.version.commits, moved)
+             "(%d bytes received, copies included)", len(catalog.sharded),
+             point.layout.replicas, point.layout.shards, layout.replicas, layout.shards,
+             point.version.commits, moved)
+    return targets
 
 
-def _finish(state: ShardedState, source: int, version: StateVersion) -> None:
-    """The rest of the state from the source, then save the agreed version everywhere."""
+def _finish(state: ShardedState, source: int, version: StateVersion,
+            copies: dict[int, list[torch.Tensor]] | None = None) -> None:
+    """The rest of the state from the source, then save the agreed version everywhere
+    (``copies``: those of the new layout, already here)."""
     with syncing_from(source):
         state.sync()
     state.commit_count = version.commits
     state.expect_save(version)
-    state.save()
+    if copies is None:
+        state.save()
+    else:
+        state.save_arrived(version, copies)

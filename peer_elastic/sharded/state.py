@@ -286,6 +286,12 @@ class ShardedState(TorchState):
             return
         self._save(self._next_version, ())
 
+    def save_arrived(self, version: StateVersion, copies: dict[int, list[torch.Tensor]]
+                     ) -> None:
+        """Collective: :meth:`save` of ``version``, whose copies for this rank already
+        arrived (a new group's reshard moved them with the rows it moved: one transfer)."""
+        self._save(version, (), arrived=copies)
+
     def hand_off(self, version: StateVersion, leaving: bool) -> None:
         """Collective in a group that is about to be replaced: save ``version`` (the live
         state) with the copies of every leaving rank's shard placed on ranks that stay."""
@@ -300,7 +306,8 @@ class ShardedState(TorchState):
             return p.device
         return torch.device("cpu")
 
-    def _save(self, version: StateVersion, leaving: Iterable[int]) -> None:
+    def _save(self, version: StateVersion, leaving: Iterable[int],
+              arrived: dict[int, list[torch.Tensor]] | None = None) -> None:
         """The save, in an order that keeps a complete version in the group whatever rank
         dies during it (with at most ``redundancy`` dead):
 
@@ -313,7 +320,8 @@ class ShardedState(TorchState):
         Cut short before 3 completes anywhere, every rank still holds the previous save
         whole. Cut short after, every copy of this version exists; a rank whose own step 3
         did not complete keeps this version as unconfirmed, its own rows taken from the live
-        ones at the restore (no step ran since), so the group finds it complete."""
+        ones at the restore (no step ran since), so the group finds it complete.
+        ``arrived``: the copies of step 1, already here (step 1 is skipped)."""
         layout = self._shard_layout
         assert layout is not None and self._module is not None
         object.__setattr__(self, "_unconfirmed", None)
@@ -324,7 +332,9 @@ class ShardedState(TorchState):
         outgoing: dict[int, list[torch.Tensor]] = {}
         incoming: dict[int, list[torch.Tensor]] = {}
         received: dict[int, list[torch.Tensor]] = {}
-        for shard, holders in copy_holders(layout, self.redundancy, leaving).items():
+        holders_by_shard = {} if arrived is not None else \
+            copy_holders(layout, self.redundancy, leaving)
+        for shard, holders in holders_by_shard.items():
             owners = layout.ranks_of(shard)
             for holder in holders:
                 sender = owners[holder % len(owners)]
@@ -337,6 +347,8 @@ class ShardedState(TorchState):
                         shapes.append(((hi - lo, *t.shape[1:]), t.dtype))
                     incoming[sender] = received[shard] = flat_views(shapes, device)
         transfer(outgoing, incoming)
+        if arrived is not None:
+            received = arrived
         pending = SavedShards(version, layout, layout.shard_of(rank),
                               catalog_of(self._module, self._optim), None, None, received)
         object.__setattr__(self, "_unconfirmed", pending)
