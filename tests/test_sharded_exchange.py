@@ -116,9 +116,22 @@ def _round_trip(rank: int, world: int, out: Path, first: int, second: int) -> No
                                 rank=rank, world_size=second)
         claim = Claim(version, False) if rank < first else Claim(StateVersion(), True)
         agreement, _ = regroup(state, claim, cpu, 2)
+        after = _gathered(state)
         (out / f"after{rank}.json").write_text(json.dumps(
-            {"version": list(agreement.version.as_ints()), "state": _gathered(state),
+            {"version": list(agreement.version.as_ints()), "state": after,
              "layout": [state.layout.replicas, state.layout.shards]}))
+        # A step, then a failure before the next commit: the next group must find the state
+        # the reshard saved, not the one trained since (nothing saved may alias live state).
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(99 + rank))
+        state.optimizer.zero_grad()
+        state.model(x).pow(2).sum().backward()
+        state.optimizer.step()
+        state.restore()
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.FileStore(str(out / "gen3"), second),
+                                rank=rank, world_size=second)
+        regroup(state, Claim(agreement.version, False), cpu, 3)
+        (out / f"again{rank}.json").write_text(json.dumps(_gathered(state) == after))
     # run_world destroys the default group at the end: give it one to destroy
     if dist.is_initialized():
         return
@@ -133,6 +146,7 @@ def _check_round_trip(out: Path, second: int) -> None:
         assert after["version"] == [7, 3, 1, 5]
         assert after["layout"] == [1, second]
         assert after["state"] == before, rank  # gathered params and Adam state, exactly
+        assert json.loads((out / f"again{rank}.json").read_text()), rank
 
 
 def test_a_sharded_state_comes_back_bit_identical_at_fewer_ranks(tmp_path: Path) -> None:

@@ -171,8 +171,10 @@ def install(model: nn.Module, optimizer: torch.optim.Optimizer | None, catalog: 
                 fqn, _, key = rest.rpartition("/")
                 param = params[fqn]
                 assert isinstance(param, DTensor)
+                # a copy: the optimizer updates its state in place, and the rows given
+                # may be kept as the saved state
                 by_fqn.setdefault(fqn, {})[key] = DTensor.from_local(
-                    local, param.device_mesh, param.placements, run_check=False,
+                    local.clone(), param.device_mesh, param.placements, run_check=False,
                     shape=torch.Size(entry.shape), stride=param.stride())
         for entry, value in zip(catalog.replicated, replicated, strict=True):
             kind, _, rest = entry.name.partition("/")

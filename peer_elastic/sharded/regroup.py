@@ -45,7 +45,7 @@ from peer_elastic.sharded.plan import (
     rows,
     wanted_shards,
 )
-from peer_elastic.sharded.state import ShardedState
+from peer_elastic.sharded.state import Arrived, ShardedState
 from peer_elastic.torch.collectives import broadcast_bytes, broadcast_tensors, syncing_from
 
 __all__ = ["regroup"]
@@ -129,8 +129,8 @@ def regroup(state: ShardedState, claim: Claim, device: torch.device, generation:
         version = StateVersion(lineage=new_lineage(claims))
         _finish(state, 0, version)
         return Agreement(0, version), tried
-    copies = _reshard(state, point, layout, device, point.holders()[0])
-    _finish(state, point.values_from, point.version, copies)
+    arrived = _reshard(state, point, layout, device, point.holders()[0])
+    _finish(state, point.values_from, point.version, arrived)
     return Agreement(point.values_from, point.version), tried
 
 
@@ -145,9 +145,9 @@ def _describe(holdings: Sequence[Sequence[Holding]]) -> str:
 
 
 def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: torch.device,
-             source: int) -> dict[int, list[torch.Tensor]]:
+             source: int) -> Arrived:
     """Build the module on the new mesh filled with this rank's rows of ``point``; returns
-    the copies of other shards this rank keeps in the new layout (moved along)."""
+    them, with the copies of other shards this rank keeps in the new layout (moved along)."""
     rank = dist.get_rank()
     saved = state.saved(point.version, point.layout)
     with syncing_from(source):
@@ -198,24 +198,24 @@ def _reshard(state: ShardedState, point: RestorePoint, layout: Layout, device: t
     with syncing_from(source):
         broadcast_tensors(replicated)
     state.rebuild(layout, device, catalog, new_rows, replicated)
-    del held, new_rows  # the new module holds its rows; the old layout's stay in the state
     moved = sum(t.numel() * t.element_size() for ts in incoming.values() for t in ts)
     log.info("resharded %d tensors from %d x %d to %d x %d shards at %d commits "
              "(%d bytes received, copies included)", len(catalog.sharded),
              point.layout.replicas, point.layout.shards, layout.replicas, layout.shards,
              point.version.commits, moved)
-    return targets
+    # the rows just installed are the live state: its first save keeps them as they are
+    return Arrived(new_rows, replicated, targets)
 
 
 def _finish(state: ShardedState, source: int, version: StateVersion,
-            copies: dict[int, list[torch.Tensor]] | None = None) -> None:
+            arrived: Arrived | None = None) -> None:
     """The rest of the state from the source, then save the agreed version everywhere
-    (``copies``: those of the new layout, already here)."""
+    (``arrived``: what the reshard left for that save)."""
     with syncing_from(source):
         state.sync()
     state.commit_count = version.commits
     state.expect_save(version)
-    if copies is None:
+    if arrived is None:
         state.save()
     else:
-        state.save_arrived(version, copies)
+        state.save_arrived(version, arrived)

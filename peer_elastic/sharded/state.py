@@ -31,7 +31,7 @@ from peer_elastic.sharded.plan import MAX_HELD, Holding, Layout, copy_holders, m
 from peer_elastic.state import TorchState
 from peer_elastic.torch.snapshots import copy_all, same_meta
 
-__all__ = ["SavedShards", "ShardedState"]
+__all__ = ["Arrived", "SavedShards", "ShardedState"]
 
 ModelBuilder = Callable[[], nn.Module]
 Parallelize = Callable[[nn.Module, Any], "nn.Module | None"]
@@ -59,6 +59,16 @@ class SavedShards:
         """Rows of every sharded tensor (catalog order) by the shard they belong to."""
         assert self.own is not None
         return {**self.copies, self.shard: self.own}
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """What a reshard leaves a rank for its first save in the new layout: its rows and the
+    replicated tensors it installed (equal to the live ones), and its copies of others."""
+
+    own: list[torch.Tensor]
+    replicated: list[torch.Tensor]
+    copies: dict[int, list[torch.Tensor]]
 
 
 def _copies_of(tensors: list[torch.Tensor], reuse: list[torch.Tensor] | None
@@ -286,11 +296,11 @@ class ShardedState(TorchState):
             return
         self._save(self._next_version, ())
 
-    def save_arrived(self, version: StateVersion, copies: dict[int, list[torch.Tensor]]
-                     ) -> None:
-        """Collective: :meth:`save` of ``version``, whose copies for this rank already
-        arrived (a new group's reshard moved them with the rows it moved: one transfer)."""
-        self._save(version, (), arrived=copies)
+    def save_arrived(self, version: StateVersion, arrived: Arrived) -> None:
+        """Collective: :meth:`save` of ``version`` right after a reshard, which brought this
+        rank's copies along with its rows (one transfer) and whose rows and replicated
+        tensors, just installed, are the live state: they are kept as the saved ones."""
+        self._save(version, (), arrived=arrived)
 
     def hand_off(self, version: StateVersion, leaving: bool) -> None:
         """Collective in a group that is about to be replaced: save ``version`` (the live
@@ -307,7 +317,7 @@ class ShardedState(TorchState):
         return torch.device("cpu")
 
     def _save(self, version: StateVersion, leaving: Iterable[int],
-              arrived: dict[int, list[torch.Tensor]] | None = None) -> None:
+              arrived: Arrived | None = None) -> None:
         """The save, in an order that keeps a complete version in the group whatever rank
         dies during it (with at most ``redundancy`` dead):
 
@@ -321,7 +331,8 @@ class ShardedState(TorchState):
         whole. Cut short after, every copy of this version exists; a rank whose own step 3
         did not complete keeps this version as unconfirmed, its own rows taken from the live
         ones at the restore (no step ran since), so the group finds it complete.
-        ``arrived``: the copies of step 1, already here (step 1 is skipped)."""
+        ``arrived``: the copies of step 1, already here (step 1 is skipped), and the own
+        rows and replicated tensors equal to the live ones (kept instead of copied)."""
         layout = self._shard_layout
         assert layout is not None and self._module is not None
         object.__setattr__(self, "_unconfirmed", None)
@@ -348,7 +359,7 @@ class ShardedState(TorchState):
                     incoming[sender] = received[shard] = flat_views(shapes, device)
         transfer(outgoing, incoming)
         if arrived is not None:
-            received = arrived
+            received = arrived.copies
         pending = SavedShards(version, layout, layout.shard_of(rank),
                               catalog_of(self._module, self._optim), None, None, received)
         object.__setattr__(self, "_unconfirmed", pending)
@@ -358,9 +369,12 @@ class ShardedState(TorchState):
         dist.all_reduce(done)
         previous = self._confirmed
         reuse = previous is not None and previous.layout == layout and previous.own is not None
-        own = _copies_of(locals_, previous.own if reuse and previous is not None else None)
-        reps = _copies_of([t for _, t in replicated],
-                          previous.replicated if reuse and previous is not None else None)
+        if arrived is not None:
+            own, reps = arrived.own, arrived.replicated
+        else:
+            own = _copies_of(locals_, previous.own if reuse and previous is not None else None)
+            reps = _copies_of([t for _, t in replicated],
+                              previous.replicated if reuse and previous is not None else None)
         object.__setattr__(self, "_confirmed", SavedShards(
             version, layout, pending.shard, pending.catalog, own, reps, received))
         object.__setattr__(self, "_unconfirmed", None)
