@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from peer_elastic.codec import copy_plain
 
-__all__ = ["Catalog", "Entry", "catalog_of", "install"]
+__all__ = ["Catalog", "Entry", "catalog_of", "install", "live_tensors"]
 
 
 @dataclass(frozen=True)
