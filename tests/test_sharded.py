@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.procs import Cluster, PeerProc, callback_digests
+from tests.test_durable_resume import cli
 from tests.test_elastic import wait_steps
 
 pytestmark = pytest.mark.slow
@@ -260,13 +261,6 @@ def test_the_fsdp_example_trains_through_a_crash_and_a_join(etcd: str, unique_jo
     finally:
         for p in peers:
             p.kill()
-
-
-def cli(etcd: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "peer_elastic.cli", *args, "--etcd", etcd],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def test_hsdp_resizes_down_and_up_and_comes_back_bit_identical(

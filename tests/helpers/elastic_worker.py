@@ -603,38 +603,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 state.epoch += 1
                 state.sampler.set_epoch(state.epoch)
                 state.commit()
-            digests = [None] * dist.get_world_size()
-            dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
-            counts = state.model.counts.detach()
-            trained = state.epoch
-            want = torch.zeros_like(counts)
-            want[:trained] = 1.0
-            wrong = counts != want
-            result = {
-                "exact": bool(not wrong.any()),
-                "min": float(counts[:trained].min()) if trained else 0.0,
-                "max": float(counts.max()),
-                # oracle numbers: samples (of all epochs) counted != once, per epoch too
-                "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
-                "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
-                                   if w},
-                "epochs": trained,
-                "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
-                "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
-                "reset_sizes": seen_sizes,  # one per formed group, the first included
-                # this rank's plain checks: with an exchange, and spaced between two
-                "check_exchanges": peer.stats.check_exchanges,
-                "checks_spaced": peer.stats.checks_spaced,
-                "states_lost": peer.stats.states_lost,
-                "snapshots_written": peer.stats.snapshots_written,
-                "snapshots_failed": peer.stats.snapshots_failed,
-            }
-            if PLAIN:
-                result["steps"] = state.steps
-                result["samples"] = state.samples
-                # the plain value must belong to the same commit as the model
-                result["plain_ok"] = state.samples == float(counts.sum())
-            return result
+            return oracle_result(state, state.model.counts.detach())
 
         def train_sharded(state: pe.ShardedState) -> dict:
             world = dist.get_world_size()
@@ -682,9 +651,16 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 state.commit()
                 if COMMIT_DIGEST:
                     say("COMMITTED", state.commit_count, digest(state))
+            # the counter sharded as (samples, epochs): gathered, then as (epochs, samples)
+            result = oracle_result(state, model.counter.counts.full_tensor().detach().t())
+            result["layout"] = [state.layout.replicas, state.layout.shards]
+            return result
+
+        def oracle_result(state: pe.TorchState, counts: torch.Tensor) -> dict:
+            """The exactly-once oracle over ``counts`` (epochs x samples), the ranks' digests
+            compared, and this rank's counters (collective: every rank calls it at the end)."""
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
-            counts = model.counter.counts.full_tensor().detach().t()
             trained = state.epoch
             want = torch.zeros_like(counts)
             want[:trained] = 1.0
@@ -693,23 +669,25 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 "exact": bool(not wrong.any()),
                 "min": float(counts[:trained].min()) if trained else 0.0,
                 "max": float(counts.max()),
+                # oracle numbers: samples (of all epochs) counted != once, per epoch too
                 "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
                 "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
                                    if w},
                 "epochs": trained,
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
-                "reset_sizes": seen_sizes,
+                "reset_sizes": seen_sizes,  # one per formed group, the first included
+                # this rank's plain checks: with an exchange, and spaced between two
                 "check_exchanges": peer.stats.check_exchanges,
                 "checks_spaced": peer.stats.checks_spaced,
                 "states_lost": peer.stats.states_lost,
                 "snapshots_written": peer.stats.snapshots_written,
                 "snapshots_failed": peer.stats.snapshots_failed,
-                "layout": [state.layout.replicas, state.layout.shards] if state.layout else None,
             }
             if PLAIN:
                 result["steps"] = state.steps
                 result["samples"] = state.samples
+                # the plain value must belong to the same commit as the model
                 result["plain_ok"] = state.samples == float(counts.sum())
             return result
 
