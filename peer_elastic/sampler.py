@@ -6,7 +6,10 @@ Semantics follow ``horovod.torch.elastic.ElasticSampler`` so ported code keeps w
 * ``record_batch`` / ``record_indices`` after each processed batch mark samples as done;
 * after a reset the samples of the epoch that are not done yet are re-partitioned over the
   new world, so no sample is dropped or (with ``pad=False``) seen twice;
-* ``set_epoch(epoch)`` is called at the END of an epoch: it clears the progress and moves on.
+* ``set_epoch(epoch)`` with a new epoch clears the progress and moves on (Horovod calls it at
+  the END of an epoch). With the epoch the sampler is already in, it keeps the progress, so
+  ``DistributedSampler``'s habit of calling it at the START of every epoch, re-entered after
+  a reset, resumes the epoch instead of starting it over.
 
 Processed samples are a bitmap (one ``uint8`` per sample), so merging the progress of all
 ranks is one ``all_reduce(MAX)`` of ``len(dataset)`` bytes instead of pickled Python sets
@@ -31,6 +34,7 @@ when a re-partition finds unmerged progress.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Sized
@@ -46,6 +50,8 @@ from peer_elastic.torch.collectives import (
 )
 
 __all__ = ["ElasticSampler"]
+
+_log = logging.getLogger(__name__)
 
 
 def _pad_to_multiple(indices: torch.Tensor, world: int) -> torch.Tensor:
@@ -104,6 +110,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._pinned_world: tuple[int, int] | None = None
         # True while this rank holds progress the other ranks do not know (local records).
         self._unmerged = False
+        self._kept_progress_said = False  # set_epoch's "progress kept" is logged once
         self._perm_key: tuple[int, int, int, bool] | None = None
         self._perm = torch.empty(0, dtype=torch.int64)
         self._remaining = torch.empty(0, dtype=torch.int64)
@@ -166,10 +173,20 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: forget progress and re-partition the new permutation.
 
-        Call it at the END of an epoch (as in Horovod), with the next epoch's number.
-        Calling it at the start of an epoch would throw away the progress a reset kept.
+        Call it at the end of an epoch with the next epoch's number (as in Horovod), or at the
+        start of each epoch (as with ``DistributedSampler``). Setting the epoch the sampler is
+        already in while some of it is done keeps that progress: after a reset the training
+        function runs again from its top, and a start-of-epoch ``set_epoch`` must not throw
+        away what the reset kept (every sample would be trained twice).
         """
-        self.epoch = int(epoch)
+        epoch = int(epoch)
+        if epoch == self.epoch and (self._unmerged or self.processed_count > 0):
+            if not self._kept_progress_said:
+                self._kept_progress_said = True
+                _log.info("ElasticSampler.set_epoch(%d): already in epoch %d with %d samples "
+                          "done; their progress is kept", epoch, epoch, self.processed_count)
+            return
+        self.epoch = epoch
         self._processed.zero_()
         self._unmerged = False
         self.reset()

@@ -2,8 +2,8 @@
 
 ``State.commit()`` saves a copy in memory and checks for a pending membership change;
 ``restore()`` returns to the last commit after a failed collective; ``sync()`` makes every
-rank hold the sync source's state (rank 0 unless the run loop chose another) after a new
-process group is formed.
+rank hold the sync source's state (the rank holding the newest committed version, chosen
+by the run loop; rank 0 outside it) after a new process group is formed.
 
 Why it is shaped this way:
 
@@ -172,8 +172,8 @@ class State:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """Collective: make every rank's live state equal to the sync source's (rank 0
-        unless the run loop chose the rank holding the newest state)."""
+        """Collective: make every rank's live state equal to the sync source's (the rank the
+        run loop chose as holding the newest state; rank 0 outside the run loop)."""
         raise NotImplementedError
 
     def durable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -202,7 +202,7 @@ class ObjectState(State):
     """Plain Python values (epoch, batch, ...) exposed as attributes.
 
     ``save`` snapshots them (containers deep-copied, they are small), ``restore`` puts the
-    snapshot back, ``sync`` sends rank 0's values as tagged JSON: only plain values
+    snapshot back, ``sync`` sends the sync source's values as tagged JSON: only plain values
     (None, bool, int, float, str, bytes, and lists/tuples/dicts of those) are accepted.
     """
 
@@ -223,7 +223,8 @@ class ObjectState(State):
             setattr(self, name, copy_plain(self._saved[name]))
 
     def sync(self) -> None:
-        """Rank 0's values on every rank (all ranks end with the decoded values, so types
+        """The sync source's values on every rank: the rank holding the newest committed
+        version, which need not be rank 0 (all ranks end with the decoded values, so types
         such as numpy scalars become the same builtins everywhere)."""
         payload = encode_values(
             {name: getattr(self, name) for name in self._names}, where=type(self).__name__
@@ -233,7 +234,8 @@ class ObjectState(State):
         values = decode_values(broadcast_bytes(payload))
         if set(values) != set(self._names):
             raise ValueError(
-                f"state attributes differ from rank 0: {sorted(values)} vs {sorted(self._names)}"
+                f"state attributes differ from the sync source's: {sorted(values)} vs "
+                f"{sorted(self._names)}"
             )
         for name in self._names:
             setattr(self, name, values[name])

@@ -17,7 +17,7 @@
 * **peer.env.example** may only set variables peer-elastic reads (or the unit's own
   ``TRAIN_*`` variables), lists every one of them, and states the true defaults. "Reads"
   means: in the one table of environment variables, :mod:`peer_elastic.settings_table`,
-  against which the README's configuration tables are checked too.
+  against which docs/configuration.md's tables are checked too.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ DEPLOY = ROOT / "deploy"
 SYSTEMD = DEPLOY / "systemd"
 ETCD_DIR = DEPLOY / "etcd"
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
-README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 PEER_UNIT = SYSTEMD / "peer-elastic@.service"
 ETCD_UNIT = SYSTEMD / "etcd-member.service"
 ENV_EXAMPLE = SYSTEMD / "peer.env.example"
@@ -300,10 +300,9 @@ def missing_from_env_example(text: str | None = None) -> set[str]:
 
 
 def readme_configuration_variables(text: str | None = None) -> set[str]:
-    """The variables in the table rows of the README's *Configuration* section."""
-    readme = README.read_text() if text is None else text
-    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
+    """The variables in the table rows of docs/configuration.md (or ``text``)."""
+    doc = CONFIGURATION.read_text() if text is None else text
+    rows = [line for line in doc.splitlines() if line.startswith("|")]
     return set(re.findall(r"`(PEER_ELASTIC_[A-Z0-9_]+)`", "\n".join(rows)))
 
 
@@ -340,10 +339,10 @@ def test_env_example_covers_every_setting() -> None:
 
 def test_readme_configuration_lists_every_variable() -> None:
     listed = readme_configuration_variables()
-    assert set(DEPLOYED) - listed == set(), "missing from the README's configuration tables"
-    assert listed <= env_vars_read_by_peer_elastic(), "the README lists an unread variable"
+    assert set(DEPLOYED) - listed == set(), "missing from docs/configuration.md's tables"
+    assert listed <= env_vars_read_by_peer_elastic(), "docs/configuration.md lists an unread variable"
     # The check catches a row taken out.
-    text = README.read_text()
+    text = CONFIGURATION.read_text()
     cut = "\n".join(line for line in text.splitlines()
                     if not line.startswith("| `PEER_ELASTIC_HOST`"))
     assert set(DEPLOYED) - readme_configuration_variables(cut) == {"PEER_ELASTIC_HOST"}

@@ -172,9 +172,9 @@ def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
     assert result["epochs"] > final.epoch
 
 
-def test_readme_snapshot_example_runs(etcd: str, unique_job: str, tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Durable snapshots", 1)[1]
+def test_the_documented_snapshot_example_runs(etcd: str, unique_job: str, tmp_path: Path) -> None:
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    section = api.split("## Durable snapshots", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     for old, new in (('etcd="127.0.0.1:2379"', f'etcd="{etcd}"'),
                      ('job="demo"', f'job="{unique_job}"'),

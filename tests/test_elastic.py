@@ -214,3 +214,24 @@ def test_sigterm_below_min_np_lets_the_leaver_go_and_the_rest_wait(cluster: Clus
     assert b.wait(60) == 0, b.output()  # it leaves, although that breaks min_np
     assert a.wait(60) == 4, a.output()  # the other waits, then fails on the elastic timeout
     assert "elastic timeout" in a.output()
+
+
+def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: Cluster) -> None:
+    # DistributedSampler's habit: sampler.set_epoch(state.epoch) at the top of the epoch loop.
+    # After a crash and a join mid-epoch the training function runs again from its top; the
+    # call must keep what the reset kept, or the epoch's done samples are trained twice.
+    env = dict(WORKER_EPOCHS=2, WORKER_SET_EPOCH_AT_START=1, WORKER_COMMIT_EVERY=3)
+    a, b, c = cluster.start(3, **env)
+    a.wait_line("GEN", timeout=90)
+    wait_steps(a, 3)
+    c.signal(signal.SIGKILL)  # mid-epoch: a rollback to the last commit
+    wait_steps(a, 3)
+    (d,) = cluster.start(1, **env)  # mid-epoch: a reset that keeps everything
+    d.wait_line("GEN", timeout=90)
+    for p in (a, b, d):
+        assert p.wait(240) == 0, p.output()
+    r = result_of(a)
+    assert r["exact"] and r["identical"], r
+    # Re-entered in the middle of an epoch with progress held (the trap this guards).
+    assert any(int(line.split()[2]) > 0 for line in a.lines if line.startswith("START ")), \
+        a.output()

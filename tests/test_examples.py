@@ -16,6 +16,7 @@ from peer_elastic.etcd_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 
 
 def run(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -23,14 +24,14 @@ def run(args: list[str], timeout: float = 240, env: dict | None = None) -> subpr
                           env={**os.environ, **(env or {})})
 
 
-def test_readme_config_table_matches_the_code() -> None:
+def test_configuration_table_matches_the_code() -> None:
     for f in JOB_FIELDS:
-        row = re.search(rf"^\| `{f.name}` \| `{f.env}` \| ([^|]+) \|", README, re.M)
-        assert row, f"README lacks a row for {f.name}"
+        row = re.search(rf"^\| `{f.name}` \| `{f.env}` \| ([^|]+) \|", CONFIGURATION, re.M)
+        assert row, f"docs/configuration.md lacks a row for {f.name}"
         if f.kind is str:  # snapshot_dir: empty by default, which the table spells out
             assert row.group(1).strip() == (f"`{f.default}`" if f.default else "(empty: off)")
             continue
-        assert float(row.group(1)) == float(f.default), f"README default of {f.name}"
+        assert float(row.group(1)) == float(f.default), f"documented default of {f.name}"
 
 
 def test_readme_api_example_runs_on_two_peers(etcd: str, unique_job: str, tmp_path: Path) -> None:
@@ -69,7 +70,8 @@ def test_status_json_schema_on_a_running_job(etcd: str, unique_job: str) -> None
     from peer_elastic.etcd.coordinator import Coordinator
 
     client = EtcdClient(etcd)
-    c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1)).start()
+    c = Coordinator(client, unique_job, JobSettings(start_settle_s=0.1),
+                    labels={"rack": "r7", "zone": "b"}).start()
     try:
         c.wait_generation(0, timeout=10)
         r = run([sys.executable, "-m", "peer_elastic.cli", "status", "--etcd", etcd, "--job",
@@ -81,6 +83,7 @@ def test_status_json_schema_on_a_running_job(etcd: str, unique_job: str) -> None
         assert doc["generation"] == 1 and doc["world_size"] == 1 and doc["leader"] == c.member_id
         assert doc["members"][0]["id"] == c.member_id and doc["members"][0]["rank"] == 0
         assert {"id", "host", "rank"} <= set(doc["members"][0])
+        assert doc["members"][0]["labels"] == {"rack": "r7", "zone": "b"}  # join(labels=...)
     finally:
         c.close()
         client.close()

@@ -115,6 +115,23 @@ def test_set_epoch_clears_progress_and_changes_permutation() -> None:
     assert len(s.remaining_indices) == 40
 
 
+@pytest.mark.parametrize("record_all_ranks", [True, False])
+def test_set_epoch_of_the_current_epoch_keeps_progress(record_all_ranks: bool) -> None:
+    # DistributedSampler's habit: set_epoch(e) at the START of every epoch. After a reset the
+    # training function runs again from its top; that call must not wipe what the reset kept.
+    s = _sampler(40, 0, 2, seed=3)
+    s.record_all_ranks = record_all_ranks
+    s.set_epoch(0)  # no progress yet: a fresh start of epoch 0, as before
+    before = list(s)
+    s.record_batch(0, 5)
+    done = s.processed_count
+    s.set_epoch(0)
+    assert s.epoch == 0 and s.processed_count == done
+    assert list(s) == before  # the shard as of the last reset, unchanged
+    s.set_epoch(1)  # the next epoch still starts afresh
+    assert s.epoch == 1 and s.processed_count == 0
+
+
 @pytest.mark.parametrize("pad", [True, False])
 @pytest.mark.parametrize("new_world", [1, 2, 5])
 def test_record_batch_then_reset_to_new_world(pad: bool, new_world: int) -> None:
@@ -293,7 +310,8 @@ def _merge_worker(rank: int, world: int, outdir: Path) -> None:
     out["merged"] = s.processed_mask.clone()
 
     # 2. sync: rank 1 is in another epoch; it adopts rank 0's epoch and drops its progress.
-    s.set_epoch(0)
+    s.set_epoch(1)
+    s.set_epoch(0)  # epoch 0 again, from nothing (the same epoch alone would keep progress)
     if rank == 0:
         s.record_indices(range(0, 100))
     else:
@@ -306,6 +324,7 @@ def _merge_worker(rank: int, world: int, outdir: Path) -> None:
 
     # 2b. same epoch, different progress: the source's progress, never a union (progress
     # belongs to the source's model, which everybody adopts with it).
+    s.set_epoch(1)
     s.set_epoch(0)
     s.record_indices(range(10) if rank == 0 else range(10, 20))
     s.sync()

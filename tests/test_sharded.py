@@ -238,7 +238,7 @@ def wait_text(p: PeerProc, text: str, count: int = 1, timeout: float = 120) -> N
 
 
 def test_the_fsdp_example_trains_through_a_crash_and_a_join(etcd: str, unique_job: str) -> None:
-    # The README's example, as a user runs it, with a crash and a join while it trains.
+    # The documented example, as a user runs it, with a crash and a join while it trains.
     env = {**os.environ, "PEER_ELASTIC_ETCD": etcd, "PEER_ELASTIC_JOB": unique_job,
            "PEER_ELASTIC_START_SETTLE": "0.5", "PEER_ELASTIC_LEASE_TTL": "3",
            "PEER_ELASTIC_JOIN_TIMEOUT": "1.5", "PEER_ELASTIC_LOG_LEVEL": "INFO",
@@ -305,13 +305,13 @@ def test_hsdp_resizes_down_and_up_and_comes_back_bit_identical(
     assert assert_rebuilt_from_commits([*peers, d], a) >= 1
 
 
-def test_the_readme_sharded_example_runs_on_two_peers(etcd: str, unique_job: str,
+def test_the_documented_sharded_example_runs_on_two_peers(etcd: str, unique_job: str,
                                                       tmp_path) -> None:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", api, re.S)
                 if "pe.ShardedState(" in block)
     assert 'etcd="127.0.0.1:2379"' in code and 'job="demo"' in code
     code = code.replace('etcd="127.0.0.1:2379"', f'etcd="{etcd}"').replace(

@@ -184,6 +184,7 @@ def status_document(job: str, snap: ViewSnapshot, now: float,
         "rank": roster.index(m.id) if m.id in roster else None,
         "standby": m.id not in roster,
         "pid": m.record.pid,
+        "labels": dict(m.record.labels),  # the peer's own join(labels=...), for its tooling
         "age_s": round(now - m.record.started_unix, 1),
         "draining": m.id in snap.drains,
         # Whom it reports it cannot reach, and whether the others' reports leave it out.

@@ -96,6 +96,8 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   ``rank`` of its group exits at once (``os._exit``, as a SIGKILL): ``transfer`` before its
   copies leave (the others wait for them in vain), ``confirm`` once they arrived, before the
   save's confirming all-reduce. Prints ``DYING <phase>`` first.
+* ``WORKER_SET_EPOCH_AT_START=1``: the loop also calls ``sampler.set_epoch(state.epoch)`` at
+  the start of every epoch (``DistributedSampler``'s habit), re-entered after every reset.
 
 Durable snapshots need no knob: set ``PEER_ELASTIC_SNAPSHOT_DIR`` (and ``..._EVERY``) like any
 job setting; a whole job restarted resumes from the newest snapshot, and the oracle still
@@ -147,6 +149,7 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 SHARDED = os.environ.get("WORKER_SHARDED", "")
 COMMIT_DIGEST = os.environ.get("WORKER_COMMIT_DIGEST") == "1"
 DIE_IN_SAVE = os.environ.get("WORKER_DIE_IN_SAVE", "")
+EPOCH_AT_START = os.environ.get("WORKER_SET_EPOCH_AT_START") == "1"
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
 USE_DDP = os.environ.get("WORKER_DDP") == "1"
@@ -555,6 +558,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
             while state.epoch < EPOCHS and not (state.sampler.processed_count == 0
                                                 and end_requested()):
                 counter.epoch = state.epoch
+                if EPOCH_AT_START:  # DistributedSampler's habit; keeps a reset's progress
+                    state.sampler.set_epoch(state.epoch)
                 shard = list(iter(state.sampler))
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty
@@ -612,6 +617,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
             say("START", state.epoch, state.sampler.processed_count, state.commit_count)
             while state.epoch < EPOCHS and not (state.sampler.processed_count == 0
                                                 and end_requested()):
+                if EPOCH_AT_START:
+                    state.sampler.set_epoch(state.epoch)
                 shard = list(iter(state.sampler))
                 nb = torch.tensor([math.ceil(len(shard) / BS)])
                 dist.all_reduce(nb, op=dist.ReduceOp.MAX)  # lockstep: short ranks step empty

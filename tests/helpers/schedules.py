@@ -138,6 +138,9 @@ class Pattern:
     # The model is a pe.ShardedState: "" no, "fsdp" (FSDP2 over every rank) or "hsdp:2"
     # (HSDP, shard groups of 2 where the world size allows): no DDP and no forks then.
     sharded: str = ""
+    # The training loop calls sampler.set_epoch(state.epoch) at the START of every epoch too
+    # (DistributedSampler's habit), so a reset re-enters it in the middle of an epoch.
+    epoch_at_start: bool = False
 
     def env(self) -> dict[str, object]:
         return {"WORKER_SHARDED": self.sharded, "WORKER_RECORD": self.record, "WORKER_COMMIT_EVERY": self.commit_every,
@@ -146,7 +149,8 @@ class Pattern:
                 "WORKER_DDP_HOOK": int(self.ddp_hook),
                 "WORKER_LOADER_WORKERS": int(self.forks),
                 "WORKER_FORKED_HELPER": int(self.forks),
-                "WORKER_EXEC_CHILD": "linger" if self.forks else ""}
+                "WORKER_EXEC_CHILD": "linger" if self.forks else "",
+                "WORKER_SET_EPOCH_AT_START": int(self.epoch_at_start)}
 
     def describe(self) -> str:
         where = {"": "", "1": " (over a subgroup)",
@@ -157,7 +161,8 @@ class Pattern:
                 f"check_every={self.check_every} plain={int(self.plain)} {ddp}"
                 + (" snapshots=1" if self.snapshots else "")
                 + (" forks=1" if self.forks else "")
-                + (f" sharded={self.sharded}" if self.sharded else ""))
+                + (f" sharded={self.sharded}" if self.sharded else "")
+                + (" set_epoch_at_start=1" if self.epoch_at_start else ""))
 
 
 def make_pattern(rng: random.Random) -> Pattern:
@@ -254,6 +259,7 @@ FIRST_SHAPE_SHARE = 0.4
 SNAPSHOT_SHARE = 0.25
 FORKS_SHARE = 0.3  # plans whose peers fork children (Pattern.forks)
 SHARDED_SHARE = 0.3  # plans whose model is sharded (Pattern.sharded)
+EPOCH_AT_START_SHARE = 0.3  # plans whose loop also sets the epoch at its start
 HSDP_SHARE = 0.4  # of those, HSDP rather than FSDP
 #: How often rank 0 writes a snapshot in those plans (PEER_ELASTIC_SNAPSHOT_EVERY).
 SNAPSHOT_EVERY_S = 0.5
@@ -324,6 +330,8 @@ def make_plan(seed: int, n_events: int = 8, *, peers: int | None = None,
         mesh = "hsdp:2" if random.Random(f"{seed}/sharded-mesh").random() < HSDP_SHARE else "fsdp"
         pattern = replace(pattern, sharded=mesh, ddp=False, ddp_subgroup="", ddp_hook=False,
                           forks=False)
+    if random.Random(f"{seed}/epoch-at-start").random() < EPOCH_AT_START_SHARE:  # drawn apart
+        pattern = replace(pattern, epoch_at_start=True)
     out: list[SEvent] = []
     live, mx, mn, paused = peers, max_np, min_np, False
 
