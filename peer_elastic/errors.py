@@ -106,8 +106,9 @@ class JobFinished(PeerElasticError):
 class HostsUpdatedInterrupt(PeerElasticError):
     """Membership changed: every roster member raises this at the same ``check_host_updates``.
 
-    ``skip_sync`` is true when the change only removed peers, so live state is already
-    identical everywhere and the broadcast after the reset can be skipped.
+    ``skip_sync`` is true when the change only removed peers (shown in the log). Whether the
+    state is synced after the reset is not decided here: the new group compares the versions
+    its ranks hold and skips the sync only when they are all the same.
     """
 
     def __init__(self, skip_sync: bool = False) -> None:

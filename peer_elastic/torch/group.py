@@ -304,7 +304,7 @@ class GroupManager:
                     raise
                 if reason is None:
                     # Our peers are gone but the leader has not noticed yet: tell it.
-                    self._mark_broken(a.generation, f"rendezvous failed: {exc}")
+                    self.coordinator.mark_broken(a.generation, f"rendezvous failed: {exc}")
                 continue
             t2 = time.monotonic()
             snap = coord.snapshot()
@@ -520,7 +520,7 @@ class GroupManager:
                 names = _where(t for t, _ in dead)
                 log.warning("generation %d: %s: %s died (probe refused)", group.generation,
                             context, names)
-                self._mark_broken(group.generation, f"{names} died ({context}; probe refused)")
+                self.coordinator.mark_broken(group.generation, f"{names} died ({context}; probe refused)")
             elif reach:
                 self._report_unreachable(group.assignment, context)
         except Exception:  # a thread of its own: nothing else would see it fail
@@ -631,7 +631,7 @@ class GroupManager:
                 log.info("generation %d: every member is reachable now", a.generation)
                 return True
             self._reach.report(a.generation, problems)
-        self._mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
+        self.coordinator.mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
         return False
 
     def _why_forming_is_stuck(self, a: Assignment) -> str | None:
@@ -659,7 +659,7 @@ class GroupManager:
         names = _where(dead)
         log.warning("generation %d: %s died while the group formed (probe refused)",
                     a.generation, names)
-        self._mark_broken(a.generation, f"{names} died while the group formed")
+        self.coordinator.mark_broken(a.generation, f"{names} died while the group formed")
         return f"{names} died while the group formed (probe refused)"
 
     def _commit(self, a: Assignment, pending: GroupId) -> bool:
@@ -675,7 +675,7 @@ class GroupManager:
             return True
         log.info("withdrew from generation %d's rendezvous: %s", a.generation, result.detail)
         if result.arrival is Arrival.TIMED_OUT:
-            self._mark_broken(a.generation, f"rendezvous: {result.detail}")
+            self.coordinator.mark_broken(a.generation, f"rendezvous: {result.detail}")
         return False
 
     def _new_listeners(self) -> GlooListeners:
@@ -714,8 +714,3 @@ class GroupManager:
         reason = stop_reason(self.coordinator, pending, causes=causes)
         return None if reason is None else reason.detail
 
-    def _mark_broken(self, generation: int, detail: str) -> None:
-        try:
-            self.coordinator.mark_broken(generation, detail)
-        except PeerElasticError as exc:
-            log.warning("could not mark generation %d broken: %s", generation, exc)
