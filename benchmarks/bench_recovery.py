@@ -827,7 +827,7 @@ def details(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str],
 
 
 def targets(results: dict[str, dict[str, dict[str, Any]]], scenarios: list[str]) -> list[str]:
-    """One line per target of the issue: met, missed, or not measured in this run."""
+    """One line per recovery goal: met, missed, or not measured in this run."""
     out = []
     pe = results.get("peer-elastic", {})
     for sc in scenarios:

@@ -13,7 +13,7 @@ when every run passed; the failing seeds are printed for replay.
 
 ``--schedules`` soaks the model-based schedules of tests/test_schedules.py instead (a seeded
 API pattern plus events, tests/helpers/schedules.py), many seeds in a row; each run's verdict
-says whether a failure is one of issue 9's still-open parts (``expected``) or new:
+is PASSED or FAILED, with the seed to replay it:
 
     python benchmarks/soak.py --schedules --runs 20 [--events 8] [--seed N] [--hosts 3]
     PEER_ELASTIC_SCHEDULE_SEED=N python -m pytest tests/test_schedules.py -s   # replay one
