@@ -114,8 +114,6 @@ leaf() {  # NAME CN EKU [SAN...]
     name=$1 cn=$2 eku=$3
     shift 3
     [ -f "$OUT/ca.crt" ] && [ -f "$OUT/ca.key" ] || die "no CA in $OUT (ca.crt, ca.key)"
-    # -subj splits at '/'; a CN is an etcd user name, which has none.
-    case $cn in '' | */*) die "bad common name '$cn'" ;; esac
     ext=$(mktemp)
     csr=$(mktemp)
     write_ext "$ext" "$eku" "$@"
@@ -147,6 +145,12 @@ while [ $# -gt 0 ]; do
     esac
 done
 case $DAYS in '' | *[!0-9]* | 0) die "--days wants a positive number of days, got '$DAYS'" ;; esac
+check_cn() {
+    # -subj splits at '/'; a CN is an etcd user name, which has none.
+    case $1 in '' | */*) die "bad common name '$1'" ;; esac
+}
+[ "$MODE" = all ] && check_cn "$CLIENT_CN"
+[ "$MODE" = client ] && [ $# -ge 1 ] && check_cn "$1"
 command -v "$OPENSSL" >/dev/null 2>&1 || die "openssl not found (set OPENSSL)"
 mkdir -p "$OUT"
 
