@@ -7,10 +7,12 @@ environment are real; Slurm's scheduling is not), and a job on a real single-nod
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from peer_elastic import settings_table
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import find_etcd_binary, free_port
+from peer_elastic.netaddr import interface_addresses
 from peer_elastic.records import MemberRecord, decode
 from tests.helpers.ci import running_in_ci
 from tests.helpers.procs import PeerProc
@@ -49,14 +52,25 @@ echo "$@" >> "$FAKE_DIR/scancel"
 FAKE_SQUEUE = """#!/bin/bash
 echo "$SLURM_JOB_ID.batch"
 """
+# The node's address as slurmctld knows it (NodeAddr).
+FAKE_SCONTROL = """#!/bin/bash
+echo "NodeName=batchnode Arch=x86_64 NodeAddr=$FAKE_NODE_ADDR NodeHostName=batchnode State=MIXED"
+"""
 TASK = """
-import json, os, sys
+import json, os, socket, sys
 from peer_elastic.etcd.client import client_from_env
 with client_from_env() as c:  # the etcd the script gave us answers
     c.put("/slurm-test/" + os.environ["PEER_ELASTIC_HOST"], b"1")
 keys = [k for k in os.environ if k.startswith("PEER_ELASTIC_")]
 out = {k: os.environ[k] for k in keys}
 out["argv"] = sys.argv[1:]
+# Whether etcd also answers on loopback: it must not when bound to the node's address.
+port = int(os.environ["PEER_ELASTIC_ETCD"].rsplit(":", 1)[1])
+try:
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    out["loopback"] = "open"
+except OSError:
+    out["loopback"] = "refused"
 with open(os.path.join(os.environ["FAKE_DIR"], os.environ["PEER_ELASTIC_HOST"] + ".json"), "w") as f:
     json.dump(out, f)
 """
@@ -75,37 +89,118 @@ def test_script_sets_only_variables_a_peer_reads() -> None:
         settings_table.by_env(name)  # KeyError: a variable peer-elastic does not read
 
 
-@pytest.mark.timeout(120)
-def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
+def node_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (the fake NodeAddr), if any."""
+    return next((a for _, a in interface_addresses()
+                 if ":" not in a and not ipaddress.ip_address(a).is_loopback), None)
+
+
+def derived_port(job_id: int) -> int:
+    """The script's first choice of etcd client port for a job id (20000-29999, even)."""
+    return 20000 + 2 * (job_id % 5000)
+
+
+def dry_run(tmp_path: Path, job_id: int, **extra: str) -> list[dict]:
+    """The script under fake srun/scancel/squeue/scontrol, its own etcd real; what each of
+    the 3 tasks saw."""
     try:
         etcd_bin = find_etcd_binary()
     except FileNotFoundError:
         pytest.skip("no etcd binary")
     fake = tmp_path / "bin"
     fake.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE)):
+    for name, body in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE),
+                       ("scontrol", FAKE_SCONTROL)):
         (fake / name).write_text(body)
         (fake / name).chmod(0o755)
     task = tmp_path / "task.py"
     task.write_text(TASK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEER_ELASTIC_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PEER_ELASTIC_", "SLURM", "ETCD_", "TRAIN_"))}
     env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env['PATH']}", FAKE_DIR=str(tmp_path),
-               SLURM_JOB_ID="4242", SLURM_NTASKS="3", TMPDIR=str(tmp_path),
-               TRAIN_PYTHON=sys.executable, ETCD_PORT=str(free_port()),
-               PEER_ELASTIC_ETCD_BINARY=etcd_bin,
-               PYTHONPATH=os.pathsep.join(sys.path))
+               SLURM_JOB_ID=str(job_id), SLURM_NTASKS="3", TMPDIR=str(tmp_path),
+               TRAIN_PYTHON=sys.executable, PEER_ELASTIC_ETCD_BINARY=etcd_bin,
+               PYTHONPATH=os.pathsep.join(sys.path), FAKE_NODE_ADDR="127.0.0.1")
+    env.update(extra)
     proc = subprocess.run(["bash", str(SBATCH), str(task), "--epochs", "2"], env=env,
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = sorted(tmp_path.glob("node*.json"))
     assert [p.stem for p in seen] == ["node0", "node1", "node2"]
-    for p in seen:
-        doc = json.loads(p.read_text())
-        assert doc["PEER_ELASTIC_JOB"] == "slurm-4242"
+    docs = [json.loads(p.read_text()) for p in seen]
+    for p, doc in zip(seen, docs, strict=True):
+        assert doc["PEER_ELASTIC_JOB"] == f"slurm-{job_id}"
         assert doc["PEER_ELASTIC_HOST"] == p.stem
         assert doc["PEER_ELASTIC_LOCAL_RANK"] == "0"
         assert doc["argv"] == ["--epochs", "2"]
     assert shutil.which("srun", path=str(fake))
+    return docs
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
+    port = free_port()
+    docs = dry_run(tmp_path, 4242, ETCD_PORT=str(port), ETCD_ADDR="127.0.0.1")
+    assert {d["PEER_ELASTIC_ETCD"] for d in docs} == {f"127.0.0.1:{port}"}
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_etcd_binds_the_node_address_on_a_free_port_from_the_job_id(
+        tmp_path: Path) -> None:
+    """No 0.0.0.0: the plaintext etcd listens on the node's cluster address (NodeAddr) only,
+    on the job id's port, or the next free one when that is taken."""
+    addr = node_address()
+    if addr is None:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    job_id = 4242
+    taken = socket.socket()
+    try:
+        taken.bind((addr, derived_port(job_id)))  # held: the script must move on
+        taken.listen()
+    except OSError:
+        pass  # held by someone else already: the same for the script
+    try:
+        docs = dry_run(tmp_path, job_id, FAKE_NODE_ADDR=addr)
+    finally:
+        taken.close()
+    (endpoint,) = {d["PEER_ELASTIC_ETCD"] for d in docs}
+    host, port = endpoint.rsplit(":", 1)
+    assert host == addr
+    assert int(port) != derived_port(job_id)
+    assert 20000 <= int(port) < 30000 and (int(port) - derived_port(job_id)) % 2 == 0
+    assert {d["loopback"] for d in docs} == {"refused"}, "etcd listens beyond the node address"
+
+
+def test_script_binds_no_wildcard_address_and_says_it_is_plaintext() -> None:
+    text = SBATCH.read_text()
+    assert "0.0.0.0" not in text and "[::]" not in text
+    assert "PLAINTEXT" in text and "trusted cluster network" in text
+
+
+def test_script_has_gpu_lines_and_maps_the_steps_gpu_to_the_local_rank() -> None:
+    text = SBATCH.read_text()
+    # Commented out (sbatch reads '#SBATCH' only), ready to enable.
+    assert re.search(r"^##SBATCH --gpus-per-node=\d+$", text, re.M)
+    assert "--gpus-per-task=" in text
+    assert "SLURM_STEP_GPUS" in text and "CUDA_VISIBLE_DEVICES" in text and "nccl" in text
+
+
+@pytest.mark.parametrize("step_gpus, localid, rank", [("3", "0", "3"), ("2,3", "0", "2"),
+                                                      ("", "1", "1")])
+def test_local_rank_is_the_steps_first_gpu_else_its_local_id(
+        step_gpus: str, localid: str, rank: str, tmp_path: Path) -> None:
+    """The command each step runs, taken from the script and run here."""
+    m = re.search(r"bash -c '(.*?)' peer", SBATCH.read_text(), re.S)
+    assert m, "the step command"
+    env = dict(os.environ, SLURMD_NODENAME="n1", SLURM_LOCALID=localid)
+    env.pop("SLURM_STEP_GPUS", None)
+    if step_gpus:
+        env["SLURM_STEP_GPUS"] = step_gpus
+    proc = subprocess.run(["bash", "-c", m.group(1), "peer", "sh", "-c",
+                           'echo "$PEER_ELASTIC_HOST $PEER_ELASTIC_LOCAL_RANK"'],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["n1", rank]
 
 
 # --- on a real Slurm ----------------------------------------------------------------------------
