@@ -1,6 +1,7 @@
 #!/bin/sh
 # etcd RBAC for peer-elastic: each job gets a role that may read and write only its own
-# prefix, /peer-elastic/<job>/, and a user holding that role. See docs/operations.md.
+# prefix, /peer-elastic/<job>/, and a user holding that role. See docs/deploy.md and
+# docs/operations.md.
 #
 #   peer-elastic-auth.sh enable                         create the root user, turn auth on
 #   peer-elastic-auth.sh grant [--torchrun] JOB [USER]  role + user for one job
