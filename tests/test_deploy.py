@@ -11,9 +11,11 @@
 * **etcd configs** are read with a strict parser for the small YAML subset they use (and
   with PyYAML too when it is installed), checked key by key against etcd's flags, checked
   for consistency across members, and finally *run*: the three files, with only addresses,
-  ports and file paths rewritten for loopback, start a real 3-member TLS cluster, on which
-  the RBAC script from ``deploy/etcd`` is applied and peer-elastic registers as a
-  prefix-restricted user.
+  ports and file paths rewritten for loopback, start a real 3-member TLS cluster with the
+  certificates of ``deploy/etcd/make-certs.sh``, on which the RBAC script from
+  ``deploy/etcd`` is applied (twice: it can run again) and peer-elastic registers as a
+  prefix-restricted user, and the torchrun backend completes a round under ``grant
+  --torchrun``.
 * **peer.env.example** may only set variables peer-elastic reads (or the unit's own
   ``TRAIN_*`` variables), lists every one of them, and states the true defaults. "Reads"
   means: in the one table of environment variables, :mod:`peer_elastic.settings_table`,

@@ -177,18 +177,26 @@ def kustomization() -> dict[str, Any]:
     return yaml.safe_load(KUSTOMIZATION.read_text())
 
 
+def kustomization_mismatch(listed: list[str], present: list[str]) -> tuple[set[str], set[str]]:
+    """(manifests not listed, listed files that are not there)."""
+    return set(present) - set(listed), set(listed) - set(present)
+
+
 def test_kustomization_lists_every_manifest_and_only_files_that_exist() -> None:
     k = kustomization()
     assert k["kind"] == "Kustomization"
     listed = k["resources"]
     assert len(listed) == len(set(listed)), "a manifest listed twice"
+    present = [p.name for p in MANIFESTS]
+    assert kustomization_mismatch(listed, present) == (set(), set())
     assert all((K8S / name).is_file() for name in listed), listed
-    assert sorted(listed) == sorted(p.name for p in MANIFESTS)
 
 
-def test_kustomization_check_catches_an_unlisted_manifest(tmp_path: Path) -> None:
+def test_kustomization_check_catches_an_unlisted_and_a_missing_manifest() -> None:
     listed = kustomization()["resources"]
-    assert sorted(listed[1:]) != sorted(p.name for p in MANIFESTS)
+    present = [p.name for p in MANIFESTS]
+    assert kustomization_mismatch(listed[1:], present) == ({listed[0]}, set())
+    assert kustomization_mismatch([*listed, "gone.yaml"], present) == (set(), {"gone.yaml"})
 
 
 KUBECTL = shutil.which("kubectl")
