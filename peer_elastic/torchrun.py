@@ -133,6 +133,10 @@ _MAX_ROUND = 2**62
 T = TypeVar("T")
 
 
+#: The run id torchrun uses when ``--rdzv-id`` is not given.
+TORCHRUN_DEFAULT_RUN_ID = "none"
+
+
 def run_prefix(run_id: str) -> str:
     return f"{ROOT}{urllib.parse.quote(run_id, safe='')}/"
 
@@ -275,6 +279,12 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         self._monitor_client = client or client_from_env(
             params.endpoint or None, retry_budget_s=_MONITOR_READ_BUDGET_S)
         self._prefix = run_prefix(self._run_id)
+        if self._run_id == TORCHRUN_DEFAULT_RUN_ID:
+            # torchrun's (and accelerate's) default when --rdzv-id is left out: every job on
+            # this etcd that forgot it would share one rendezvous.
+            log.warning("rendezvous id %r is torchrun's default: every job on this etcd that "
+                        "leaves out --rdzv-id (or PET_RDZV_ID) joins this same rendezvous; "
+                        "give each job its own id", self._run_id)
         host = socket.gethostname().split(".")[0] or "host"
         self.agent_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
         self._keeper = LeaseKeeper(self._client, name="rdzv-lease-keeper")

@@ -413,6 +413,17 @@ def test_store_semantics(etcd: str, unique_job: str) -> None:
         handler.shutdown()
 
 
+def test_torchruns_default_rendezvous_id_is_warned_about(etcd: str, caplog) -> None:
+    """Left out, --rdzv-id is "none" (torchrun's and accelerate's default): every job that
+    forgot it would meet in one rendezvous, so the agent says so."""
+    from peer_elastic.torchrun import TORCHRUN_DEFAULT_RUN_ID, PeerElasticRendezvousHandler
+
+    with caplog.at_level("WARNING", logger="peer_elastic.torchrun"):
+        handler = PeerElasticRendezvousHandler(_params(etcd, TORCHRUN_DEFAULT_RUN_ID, 1, 1))
+        handler.shutdown()
+    assert any("--rdzv-id" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def _check_round_store(store, job: str) -> None:
     import datetime
 
