@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Protocol
 
 from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
@@ -76,7 +76,7 @@ class LeaderWrites(Protocol):
     def revoke(self, lease_id: int) -> None: ...
 
 
-def _writer(snap: ViewSnapshot, eligible: list[Member], silent: Mapping[str, str]) -> str | None:
+def _writer(snap: ViewSnapshot, eligible: Sequence[Member], silent: Mapping[str, str]) -> str | None:
     """Who writes: the oldest eligible member that is not itself silent, so a silent leader
     is replaced by the next-oldest."""
     if not eligible:
@@ -111,6 +111,10 @@ class Leader:
         self._pruned_at_count = -1
         self._short_since: float | None = None
         self._departure_seq = 0
+        #: Whether this member wrote (or would have written) at its last step. A member
+        #: that does not write needs to react to fewer changes (view.WakeOn); until its
+        #: first step it is taken to write, so it misses nothing.
+        self.writes = True
         self._gen_seen_at: dict[int, float] = {}  # when this member first saw generation n
         self._broken_seen_at: dict[int, float] = {}  # ... and first saw n broken
 
@@ -142,7 +146,7 @@ class Leader:
         assert self.writer is not None and snap.run is not None
         self.observe(snap, now)
         cfg = snap.run.config
-        eligible = snap.eligible()
+        eligible = snap.eligible_members()
         self._check_elastic_timeout(snap, len(eligible), cfg, now)
         n = snap.generation_number
         settled = self.writer.etcd_settled_at()
@@ -159,7 +163,8 @@ class Leader:
                 silent = silent_members(snap, ready_since, cfg.join_timeout_s, now, settled,
                                         alive_since, deaths)
                 writer = _writer(snap, eligible, silent)
-        if writer != self.writer.member_id:
+        self.writes = writer == self.writer.member_id
+        if not self.writes:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None
         self._count_failures(snap, cfg)

@@ -154,8 +154,19 @@ class _RefreshThread:
             self._schedule({i: time.monotonic() + min(k.interval, 0.25) for i, k in due.items()})
             return
         next_at: dict[int, float] = {}
+        unanswered = [i for i in due if i not in ttls]
+        if unanswered:
+            # The stream was cut short (EtcdClient.keepalive_many): the answered leases are
+            # refreshed, the rest are tried again soon, as while etcd is unreachable.
+            log.info("%d of %d lease(s) not answered in time; trying them again",
+                     len(unanswered), len(due))
+            soon = time.monotonic()
+            for lease_id in unanswered:
+                next_at[lease_id] = soon + min(due[lease_id].interval, 0.25)
         for lease_id, kept in due.items():
-            if ttls.get(lease_id, 0) <= 0 and len(due) > 1:
+            if lease_id not in ttls:
+                continue
+            if ttls[lease_id] <= 0 and len(due) > 1:
                 # etcd did not know it: confirm on its own before believing it (keepalive).
                 try:
                     self._client.keepalive(lease_id, budget_s=budget)
