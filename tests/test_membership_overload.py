@@ -164,6 +164,55 @@ def test_a_starved_worker_of_256_members_settles(etcd: str, unique_job: str) -> 
         _end(proc)
 
 
+def test_which_changes_wake_members_that_do_not_write() -> None:
+    from peer_elastic.etcd.keys import KeyKind
+    from peer_elastic.etcd.view import wakes_followers
+
+    # Acks, registrations and bookkeeping matter to the writer only ...
+    for kind in (KeyKind.READY, KeyKind.ALIVE, KeyKind.MEMBER, KeyKind.EVENT,
+                 KeyKind.PROGRESS, KeyKind.STATE):
+        assert not wakes_followers(kind, deleted=False), kind
+    # ... what can change a follower's part wakes it: a departure, a generation, a break.
+    for kind in (KeyKind.GENERATION, KeyKind.BROKEN, KeyKind.DRAIN, KeyKind.FENCED,
+                 KeyKind.RUN, KeyKind.DONE, KeyKind.BLACKLIST, KeyKind.UNREACHABLE):
+        assert wakes_followers(kind, deleted=False), kind
+    assert wakes_followers(KeyKind.MEMBER, deleted=True)
+    assert not wakes_followers(KeyKind.READY, deleted=True)
+    assert not wakes_followers(None, deleted=False)
+
+
+def test_a_follower_waiter_sleeps_through_acks_and_wakes_for_a_departure(
+        etcd: str, unique_job: str) -> None:
+    from peer_elastic.config import JobSettings
+    from peer_elastic.etcd.client import EtcdClient
+    from peer_elastic.etcd.coordinator import Coordinator
+    from peer_elastic.etcd.view import JobView, WakeOn
+
+    client = EtcdClient(etcd)
+    view = JobView(client, unique_job).start()
+    settings = JobSettings(start_settle_s=0.1, settle_s=0.05, lease_ttl_s=3)
+    coords = [Coordinator(client, unique_job, settings, view=view) for _ in range(2)]
+    try:
+        for c in coords:
+            c.start()
+        assert view.wait_for(lambda s: s.generation is not None and len(s.generation.roster) == 2
+                             and set(s.generation.roster) <= s.ready_for(s.generation.number),
+                             timeout=SETTLE_TIMEOUT_S)
+        every = view.snapshot().version
+        followers = view.wait_change(-1, 0.0, wake_on=WakeOn.FOLLOWER_CHANGE)
+        coords[0].record_event("note", detail="bookkeeping, not membership")
+        assert view.wait_change(every, SETTLE_TIMEOUT_S) != every  # the view saw it ...
+        assert view.wait_change(followers, 0.0, wake_on=WakeOn.FOLLOWER_CHANGE) == followers
+        coords[1].close()  # ... and a departure wakes everyone
+        assert view.wait_change(followers, SETTLE_TIMEOUT_S,
+                                wake_on=WakeOn.FOLLOWER_CHANGE) != followers
+    finally:
+        for c in coords:
+            c.close()
+        view.stop()
+        client.close()
+
+
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     """One line of the worker's output within ``timeout`` (a thread reads it: the pipe has
     no timeout of its own)."""
