@@ -1,17 +1,22 @@
-"""Hundreds of members per process on a starved host settle, instead of rejoining forever.
+"""Many members per process on an overloaded host settle, instead of rejoining forever.
 
 A worker process hosts many :class:`Coordinator` objects sharing one client, view and lease
-keeper (as ``benchmarks/bench_membership.py`` does). While they register and for a while
-after, the test starves the worker: SIGSTOP / SIGCONT in turns, so the process gets a
-fraction of the time it asks for and every keep-alive stream, watch delivery and ack is
-late. Before the fixes this test goes with, such a worker fell into a loop: its
-keep-alive streams missed their deadlines whole, the leases expired together, the
-members rejoined, every rejoin was a new generation that all members had to acknowledge
-(more load, more expiries). Now a starved worker only converges later: once the starving
-stops, one generation lists every member, every member acked it, and it stays that way.
+keeper (as ``benchmarks/bench_membership.py`` does). Once they registered, the test
+overloads the worker for a while: busy Python threads that take the GIL whenever they can,
+as a process's own busy threads do, so every keep-alive stream, watch delivery and ack is
+late. What used to turn such a load into a loop at 1,024 members: keep-alive streams that
+missed their deadline were retried whole, so the leases expired together; each rejoin was
+a generation every member had to acknowledge, and every change woke every member's thread
+(more load, more expiries). Here the overloaded worker must come out of it by itself: once
+the load is gone, one generation lists every member, every member acked it, no live member
+was dropped, and it stays that way.
+
+The loop itself needs the benchmark's scale (4 processes of 256 members on a loaded 2-core
+machine); this test is the same shape at a size that runs in about a minute.
 
 Run as a module, this file is the worker: ``python -m tests.test_membership_overload
-worker ENDPOINT JOB COUNT`` (settings from ``PEER_ELASTIC_*``).
+worker ENDPOINT JOB COUNT`` (settings from ``PEER_ELASTIC_*``; ``load``, ``unload`` and
+``stats`` on stdin).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -30,16 +34,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMBERS = 256
-#: join_timeout_s above the stops: a process stopped longer than that is taken for hung
-#: by design; what is tested here is a process that is slow, not one that hangs.
-SETTINGS = dict(start_settle_s=0.5, settle_s=0.05, lease_ttl_s=5, join_timeout_s=10.0,
+MEMBERS = 128
+SETTINGS = dict(start_settle_s=1.0, settle_s=0.05, lease_ttl_s=5, join_timeout_s=1.0,
                 run_ttl_s=30)
-#: Starving: stopped this long, then running this long, over and over. A keep-alive
-#: stream has a 2 s deadline: one that does not finish within a running turn misses it.
-STOPPED_S, RUNNING_S = 1.5, 0.5
-#: How long the worker stays starved once every member registered.
-STARVED_S = 15.0
+#: Busy threads in the worker while it is overloaded (see ``_hog``), and for how long.
+HOG_THREADS = 1
+LOADED_S = 15.0
 #: Members registering side by side in the worker.
 REGISTERING_AT_ONCE = 16
 SETTLE_TIMEOUT_S = 90.0  # generous: the machine may be loaded besides
@@ -61,17 +61,25 @@ def worker(endpoint: str, job: str, count: int) -> int:
     view = JobView(client, job).start()
     keeper = LeaseKeeper(client, name="overload-keeper")
     settings = JobSettings.from_env()
+    unloaded = threading.Event()
     with ThreadPoolExecutor(REGISTERING_AT_ONCE) as pool:  # many peers starting at once
         coords = list(pool.map(
             lambda _: Coordinator(client, job, settings, host="starved", view=view,
                                   keeper=keeper).start(), range(count)))
     print("REGISTERED", flush=True)
     for line in sys.stdin:  # one command a line; EOF ends the worker
-        if line.strip() == "stats":
+        if line.strip() == "load":
+            for k in range(HOG_THREADS):
+                threading.Thread(target=_hog, args=(unloaded,), name=f"hog-{k}",
+                                 daemon=True).start()
+        elif line.strip() == "unload":
+            unloaded.set()
+        elif line.strip() == "stats":
             stats = {k: sum(c.stats[k] for c in coords) for k in coords[0].stats}
             stats["errors"] = sum(1 for c in coords if c.error is not None)
             stats["members"] = sorted(c.member_id for c in coords)
             print(json.dumps(stats), flush=True)
+    unloaded.set()
     for c in coords:
         c.close()
     keeper.stop()
@@ -80,38 +88,14 @@ def worker(endpoint: str, job: str, count: int) -> int:
     return 0
 
 
+def _hog(until: threading.Event) -> None:
+    """Busy Python code: holds the GIL whenever it can, as a process's own busy threads do
+    (the other members' coordination threads, a data loader), until ``until`` is set."""
+    while not until.is_set():
+        sum(range(10_000))
+
+
 # --- the test ------------------------------------------------------------------------------
-
-
-class Starver:
-    """SIGSTOP / SIGCONT a process in turns from a thread, until stopped (then SIGCONT)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._stop = threading.Event()
-        self.cycles = 0
-        self._thread = threading.Thread(target=self._run, name="starver", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                self._stop.wait(STOPPED_S)
-                os.kill(self.pid, signal.SIGCONT)
-                self.cycles += 1
-                self._stop.wait(RUNNING_S)
-        except ProcessLookupError:
-            return
-        finally:
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def _settled(snap, count: int) -> bool:  # noqa: ANN001
@@ -122,7 +106,7 @@ def _settled(snap, count: int) -> bool:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_a_starved_worker_of_256_members_settles(etcd: str, unique_job: str) -> None:
+def test_an_overloaded_worker_of_128_members_settles(etcd: str, unique_job: str) -> None:
     from peer_elastic.etcd.client import EtcdClient
     from peer_elastic.etcd.view import JobView
 
@@ -136,17 +120,13 @@ def test_a_starved_worker_of_256_members_settles(etcd: str, unique_job: str) -> 
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     client = EtcdClient(etcd)
     view = JobView(client, unique_job).start()
-    # Starved from its start: members register, the first generation settles, acks come
-    # in, leases are refreshed, all late.
-    starver = Starver(proc.pid)
     try:
         assert proc.stdout is not None and proc.stdin is not None
         line = _readline(proc, timeout=SETTLE_TIMEOUT_S)
         assert line == "REGISTERED", line
-        time.sleep(STARVED_S)  # the load's duration, not a synchronisation
-        starver.stop()
-        assert starver.cycles >= 5
-
+        _command(proc, "load")
+        time.sleep(LOADED_S)  # how long the overload lasts, not a synchronisation
+        _command(proc, "unload")
         snap = view.wait_for(lambda s: _settled(s, MEMBERS), timeout=SETTLE_TIMEOUT_S)
         assert snap is not None, _describe(view.snapshot(), MEMBERS)
         settled = snap.generation.number
@@ -158,7 +138,6 @@ def test_a_starved_worker_of_256_members_settles(etcd: str, unique_job: str) -> 
         assert stats["dropped"] == 0  # no live member was taken for dead
         assert sorted(snap.generation.roster) == stats["members"]
     finally:
-        starver.stop()
         view.stop()
         client.close()
         _end(proc)
@@ -213,6 +192,37 @@ def test_a_follower_waiter_sleeps_through_acks_and_wakes_for_a_departure(
         client.close()
 
 
+def test_a_keepalive_stream_cut_short_keeps_the_answers_it_got(etcd: str) -> None:
+    """Real etcd: a stream whose deadline passes before every answer came returns the
+    leases etcd answered (refreshed), leaves the others out, and raises only when none
+    came."""
+    from peer_elastic.errors import EtcdError
+    from peer_elastic.etcd.client import EtcdClient
+
+    granter = EtcdClient(etcd)
+    leases = [granter.grant(30) for _ in range(400)]
+    short = EtcdClient(etcd, timeout_s=0.02, retry_budget_s=0.0)  # a deadline few streams meet
+    try:
+        partial = None
+        for _ in range(50):  # the deadline races the answers: find a round it cut short
+            try:
+                answers = short.keepalive_many(leases)
+            except EtcdError:
+                continue  # none came in time: the call fails, as before
+            if len(answers) < len(leases):
+                partial = answers
+                break
+        if partial is None:
+            pytest.skip("no keep-alive round was cut short part way on this machine")
+        assert partial and set(partial) < set(leases)
+        assert all(ttl > 0 for ttl in partial.values())
+    finally:
+        for lease_id in leases:
+            granter.revoke(lease_id)
+        short.close()
+        granter.close()
+
+
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     """One line of the worker's output within ``timeout`` (a thread reads it: the pipe has
     no timeout of its own)."""
@@ -225,9 +235,13 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
     return out[0].strip()
 
 
-def _stats(proc: subprocess.Popen) -> dict:
-    proc.stdin.write("stats\n")
+def _command(proc: subprocess.Popen, command: str) -> None:
+    proc.stdin.write(command + "\n")
     proc.stdin.flush()
+
+
+def _stats(proc: subprocess.Popen) -> dict:
+    _command(proc, "stats")
     return json.loads(_readline(proc, timeout=60))
 
 

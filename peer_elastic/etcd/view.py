@@ -127,6 +127,7 @@ class _RunState:
     state: StateRecord | None = None
     done: DoneRecord | None = None
     events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
+    acks_arrived_at: dict[int, float] = field(default_factory=dict)  # see ViewSnapshot
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ class ViewSnapshot:
     # That the run's training state has commits (rank 0 writes it; elastic.py reads it when a
     # group forms with no rank holding committed state).
     state: StateRecord | None = None
+    # Generation -> time.monotonic() when this view last applied a new ``ready`` or
+    # ``alive`` ack for it (the leader's silence clock waits while acks keep arriving).
+    acks_arrived_at: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def generation_number(self) -> int:
@@ -461,15 +465,17 @@ class JobView:
                 )
             st.generation = rec
             # Acks of generations two or more behind are history.
-            for table in (st.ready, st.alive, st.broken):
+            for table in (st.ready, st.alive, st.broken, st.acks_arrived_at):
                 for n in [n for n in table if n < rec.number - 1]:
                     del table[n]
         elif kind in (KeyKind.READY, KeyKind.ALIVE, KeyKind.BROKEN):
             ack = decode(AckRecord, kv.value, kv.key)
             if kind is KeyKind.READY:
                 st.ready.setdefault(k.generation, set()).add(name)
+                st.acks_arrived_at[k.generation] = time.monotonic()
             elif kind is KeyKind.ALIVE:
                 st.alive.setdefault(k.generation, set()).add(name)
+                st.acks_arrived_at[k.generation] = time.monotonic()
             else:
                 st.broken.setdefault(k.generation, {})[name] = ack.detail
         elif kind in (KeyKind.STORE, KeyKind.ARRIVED):
@@ -593,5 +599,6 @@ class JobView:
             fenced=MappingProxyType(dict(st.fenced)),
             unreachable=MappingProxyType(dict(st.unreachable)),
             state=st.state,
+            acks_arrived_at=MappingProxyType(dict(st.acks_arrived_at)),
         )
 
