@@ -11,8 +11,9 @@ a generation every member had to acknowledge, and every change woke every member
 the load is gone, one generation lists every member, every member acked it, no live member
 was dropped, and it stays that way.
 
-The loop itself needs the benchmark's scale (4 processes of 256 members on a loaded 2-core
-machine); this test is the same shape at a size that runs in about a minute.
+With the code before that fix, this test's worker fell into the loop and did not come out
+(on a 2-core machine: 1,580 rejoins in 3 minutes, never one settled generation); now it
+settles in well under a minute with no rejoin.
 
 Run as a module, this file is the worker: ``python -m tests.test_membership_overload
 worker ENDPOINT JOB COUNT`` (settings from ``PEER_ELASTIC_*``; ``load``, ``unload`` and
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMBERS = 128
+MEMBERS = 256
 SETTINGS = dict(start_settle_s=1.0, settle_s=0.05, lease_ttl_s=5, join_timeout_s=1.0,
                 run_ttl_s=30)
 #: Busy threads in the worker while it is overloaded (see ``_hog``), and for how long.
@@ -106,7 +107,7 @@ def _settled(snap, count: int) -> bool:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_an_overloaded_worker_of_128_members_settles(etcd: str, unique_job: str) -> None:
+def test_an_overloaded_worker_of_256_members_settles(etcd: str, unique_job: str) -> None:
     from peer_elastic.etcd.client import EtcdClient
     from peer_elastic.etcd.view import JobView
 
