@@ -1,4 +1,4 @@
-"""Membership at scale (issue 2): join convergence, leave propagation, steady etcd load.
+"""Membership at scale: join convergence, leave propagation, steady etcd load.
 
 One etcd server (started here, on a free loopback port) and ``--procs`` worker processes.
 Each worker hosts its share of the N simulated members: N/procs :class:`Coordinator`
@@ -426,7 +426,11 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
                                            "join_acked": ["full_acked", n, 0]}})
         shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         cj0 = pool.call_all("counts")
-        joined = [m for r in pool.call_all("join", [{"k": k} for k in shares]) for m in r]
+        # Each worker registers its share one after another, each waiting until its view
+        # shows it: on a loaded machine that takes longer than one reply's usual wait.
+        joined = [m for r in pool.call_all("join", [{"k": k} for k in shares],
+                                           max(REPLY_TIMEOUT_S, 0.5 * max(shares)))
+                  for m in r]
         last_put = max(m["put_t"] for m in joined)
         first_put = min(m["put_t"] for m in joined)
         res = pool.call_all("wait", {"names": ["join_full", "join_acked"], "timeout": 60}, 90)

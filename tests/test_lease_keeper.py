@@ -27,6 +27,8 @@ class FakeLeases:
         self.single: dict[int, int] = {}
         self.rounds: list[list[int]] = []
         self.stall: threading.Event | None = None
+        #: Most answers a round gets before its stream is cut short (None: all of them).
+        self.answers_per_round: int | None = None
 
     def keepalive(self, lease_id: int, budget_s: float | None = None) -> int:
         with self.lock:
@@ -44,7 +46,8 @@ class FakeLeases:
         with self.lock:
             self.rounds.append(list(lease_ids))
             self.lock.notify_all()
-            return {i: (10 if i in self.alive else 0) for i in lease_ids}
+            answered = list(lease_ids)[:self.answers_per_round]
+            return {i: (10 if i in self.alive else 0) for i in answered}
 
     def wait(self, predicate, timeout: float = WAIT_S) -> bool:  # noqa: ANN001
         with self.lock:
@@ -83,6 +86,49 @@ def test_a_lease_missing_from_a_round_is_confirmed_alone_before_it_is_lost() -> 
         assert fake.single.get(4, 0) >= 1  # confirmed on its own, not taken from the round
         assert fake.wait(lambda: sum(r.count(1) for r in fake.rounds) >= 2)  # others go on
         assert keeper.scheduled(4) == 0 and keeper.scheduled(1) == 1
+    finally:
+        keeper.stop()
+
+
+def test_leases_a_cut_short_round_did_not_answer_are_tried_again_soon_not_lost() -> None:
+    """A starved process whose keep-alive streams miss their deadline still refreshes the
+    leases etcd answered; the others go out again within a moment, in smaller rounds, and
+    none is taken for lost (nor confirmed one by one)."""
+    fake = FakeLeases(set(range(1, 101)))
+    fake.answers_per_round = 30
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    lost: list[int] = []
+    try:
+        for lease_id in range(1, 101):
+            keeper.keep(lease_id, 3.0, lambda lease_id, _why: lost.append(lease_id))
+        # 100 leases due together, 30 answered per round: every lease is refreshed within
+        # a few rounds, long before its next regular refresh (TTL/3 = 1 s).
+        t0 = time.monotonic()
+        assert fake.wait(lambda: len({i for r in fake.rounds for i in r[:30]}) == 100)
+        first_full = time.monotonic() - t0
+        assert len(fake.rounds) >= 4
+        assert first_full < WAIT_S
+        assert not lost and not fake.single
+        for lease_id in (1, 100):
+            assert keeper.scheduled(lease_id) == 1
+    finally:
+        keeper.stop()
+
+
+def test_a_lease_is_first_refreshed_ttl_3_after_its_grant_was_asked_for() -> None:
+    """The TTL runs from the grant on etcd; a starved process may read the answer late."""
+    fake = FakeLeases({5, 6})
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    try:
+        asked = time.monotonic() - 9.9  # the grant's answer took 9.9 s to be read
+        keeper.keep(5, 30.0, lambda *_: None, granted_since=asked)  # due in 0.1 s
+        keeper.keep(6, 30.0, lambda *_: None)  # due in 10 s
+
+        def refreshed(lease_id: int) -> bool:
+            return bool(fake.single.get(lease_id)) or any(lease_id in r for r in fake.rounds)
+
+        assert fake.wait(lambda: refreshed(5))
+        assert not refreshed(6)
     finally:
         keeper.stop()
 

@@ -663,6 +663,13 @@ class EtcdClient:
         lease, which the caller confirms with :meth:`keepalive` before believing it (see
         there). One request per lease: a process that keeps hundreds of member leases alive
         pays one stream per refresh round instead of one per lease.
+
+        A stream cut short (its deadline passed on a starved process, the connection
+        dropped) still counts for the leases etcd answered before that: each answer is a
+        refresh etcd applied. Those are returned and the others are left out, for the
+        caller to try again; only a stream that brought no answer at all raises (and is
+        retried within ``budget_s``). Retrying every lease because the last answers were
+        late would let all of them expire together on a host that stays slow.
         """
         ids = list(dict.fromkeys(lease_ids))
 
@@ -677,17 +684,19 @@ class EtcdClient:
             # answer, and by then gRPC's thread sending the requests has finished. A
             # cancelled stream leaves that thread winding down, maybe into the process's
             # exit (peer_elastic.threads says why that must not happen).
+            header = None
             try:
                 for resp in stream:
                     out[resp.ID] = resp.TTL
+                    header = resp.header
             except grpc.RpcError:
-                if len(out) < len(ids):
+                if not out:
                     raise
-                # every answer came; only the stream's end was lost (its deadline passed)
-            if len(out) < len(ids):
-                raise etcd_exc.ConnectionFailedError()  # stream ended without every answer
-            if stream_header := getattr(resp, "header", None):
-                self.note_header(stream_header)
+                # answered ones were refreshed; the rest go back to the caller
+            if not out:
+                raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
+            if header is not None:
+                self.note_header(header)
             return out
 
         if not ids:

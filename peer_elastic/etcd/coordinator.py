@@ -53,7 +53,7 @@ from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.lease import Lane, LeaseKeeper, Session
 from peer_elastic.etcd.registration import Identity, default_host, register
 from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
-from peer_elastic.etcd.view import JobView, ViewSnapshot
+from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
 from peer_elastic.records import (
     DoneCause,
@@ -444,15 +444,20 @@ class Coordinator:
     # -- the coordination thread ------------------------------------------------------------------
 
     def _coordination_loop(self) -> None:
-        version = -1
+        versions = {kind: -1 for kind in WakeOn}  # the view's version of each kind of change
         wake_at: float | None = None
         deaths_seen = -1
         while not self._stop.is_set():
             timeout = _TICK_S if wake_at is None else max(0.0, min(_TICK_S, wake_at - time.monotonic()))
-            version = self.view.wait_change(
-                version, timeout, until=lambda seen=deaths_seen: self._stop.is_set()
+            # The writer reacts to every change; the others to what concerns them (a step
+            # reads the newest picture whenever it runs, so this only saves wake-ups; the
+            # tick still looks at the clocks).
+            wake_on = WakeOn.ANY_CHANGE if self.leader.writes else WakeOn.FOLLOWER_CHANGE
+            versions[wake_on] = self.view.wait_change(
+                versions[wake_on], timeout, until=lambda seen=deaths_seen: self._stop.is_set()
                 or self._rejoin_due()
-                or self.deaths.version != seen)  # a death confirmed: decide at once
+                or self.deaths.version != seen,  # a death confirmed: decide at once
+                wake_on=wake_on)
             deaths_seen = self.deaths.version
             if self._stop.is_set():
                 return

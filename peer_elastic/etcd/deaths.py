@@ -85,33 +85,30 @@ def missing_acks(snap: ViewSnapshot) -> list[str]:
     gen = snap.generation
     if gen is None:
         return []
-    ready = snap.ready_for(gen.number)
-    broken = snap.broken.get(gen.number, {})
-    alive = snap.alive_for(gen.number)
-    out = []
-    for m in gen.roster:
-        if m not in snap.members:
-            continue
-        if m not in ready or (broken and m not in alive and m not in broken):
-            out.append(m)
-    return out
+    owing = snap.owing_acks()
+    return [m for m in gen.roster if m in owing]
 
 
 def probe_targets(snap: ViewSnapshot, me: str, dead: Mapping[str, Death]) -> list[ProbeTarget]:
     """What ``me`` should probe now (module docstring): the missing elders that stand
     between it and writing, or, if none does, every missing member. Excludes the confirmed
-    dead and members without a probe port."""
-    missing = set(missing_acks(snap))
+    dead and members without a probe port.
+
+    Every member asks on every change it sees: this reads the snapshot's shared answers
+    (:meth:`ViewSnapshot.owing_acks`, :meth:`ViewSnapshot.eligible_rank`) and walks only
+    from ``me`` to its first live elder, so it costs a follower O(1), not O(members).
+    """
+    missing = snap.owing_acks()
     if not missing:
         return []
-    eligible = snap.eligible()
-    ids = [m.id for m in eligible]
-    if me not in ids:
+    rank = snap.eligible_rank(me)
+    if rank is None:
         return []
-    elders = eligible[: ids.index(me)]
+    eligible = snap.eligible_members()
     chosen: list[Member] = []
     writer = True
-    for m in reversed(elders):
+    for k in range(rank - 1, -1, -1):
+        m = eligible[k]
         if m.id not in missing:
             writer = False  # a live elder writes
             break

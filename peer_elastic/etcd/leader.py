@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Protocol
 
 from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
@@ -76,7 +76,7 @@ class LeaderWrites(Protocol):
     def revoke(self, lease_id: int) -> None: ...
 
 
-def _writer(snap: ViewSnapshot, eligible: list[Member], silent: Mapping[str, str]) -> str | None:
+def _writer(snap: ViewSnapshot, eligible: Sequence[Member], silent: Mapping[str, str]) -> str | None:
     """Who writes: the oldest eligible member that is not itself silent, so a silent leader
     is replaced by the next-oldest."""
     if not eligible:
@@ -111,6 +111,10 @@ class Leader:
         self._pruned_at_count = -1
         self._short_since: float | None = None
         self._departure_seq = 0
+        #: Whether this member wrote (or would have written) at its last step. A member
+        #: that does not write needs to react to fewer changes (view.WakeOn); until its
+        #: first step it is taken to write, so it misses nothing.
+        self.writes = True
         self._gen_seen_at: dict[int, float] = {}  # when this member first saw generation n
         self._broken_seen_at: dict[int, float] = {}  # ... and first saw n broken
 
@@ -142,11 +146,10 @@ class Leader:
         assert self.writer is not None and snap.run is not None
         self.observe(snap, now)
         cfg = snap.run.config
-        eligible = snap.eligible()
+        eligible = snap.eligible_members()
         self._check_elastic_timeout(snap, len(eligible), cfg, now)
-        n = snap.generation_number
         settled = self.writer.etcd_settled_at()
-        ready_since, alive_since = self._gen_seen_at.get(n), self._broken_seen_at.get(n)
+        ready_since, alive_since = self._silence_starts(snap, cfg)
         silent = silent_members(snap, ready_since, cfg.join_timeout_s, now, settled,
                                 alive_since, deaths)
         writer = _writer(snap, eligible, silent)
@@ -159,14 +162,16 @@ class Leader:
                 silent = silent_members(snap, ready_since, cfg.join_timeout_s, now, settled,
                                         alive_since, deaths)
                 writer = _writer(snap, eligible, silent)
-        if writer != self.writer.member_id:
+        self.writes = writer == self.writer.member_id
+        if not self.writes:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
             return None
         self._count_failures(snap, cfg)
         self._prune_events(snap)
         plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget, deaths)
         if isinstance(plan, Wait):
-            return self._next_look(snap, plan, bool(silent), settled, cfg)
+            return self._next_look(snap, plan, bool(silent), settled, cfg,
+                                   ready_since, alive_since)
         if cfg.reset_limit and plan.number - 1 > cfg.reset_limit:
             self._fail_run(snap, f"reset limit exceeded: {plan.number - 1} resets > "
                                  f"reset_limit={cfg.reset_limit}", DoneCause.DONE_CAUSE_RESET_LIMIT)
@@ -174,8 +179,32 @@ class Leader:
         self.write_generation(snap, plan, now, silent)
         return None
 
+    def _silence_starts(self, snap: ViewSnapshot, cfg: JobConfig
+                        ) -> tuple[float | None, float | None]:
+        """When the silence clocks of the current generation's ``ready`` and ``alive``
+        acks start: when this member saw it (broken), and again whenever an ack for it
+        arrives, at most ``lease_ttl_s`` later.
+
+        Acks still arriving mean the members are working through a backlog (an overloaded
+        host, this member's own process behind on its watch), not that the rest hung.
+        Dropping them then is what fed the rejoin loop on a starved machine: every drop
+        is a rejoin, every rejoin a generation that everyone must acknowledge again. A
+        member that really hung is dropped once the acks stop for ``join_timeout_s``, or
+        at the cap; one whose process died loses its lease, or is confirmed dead by probe.
+        """
+        n = snap.generation_number
+        last_ack = snap.acks_arrived_at.get(n)
+
+        def start(seen: float | None) -> float | None:
+            if seen is None or last_ack is None:
+                return seen
+            return min(max(seen, last_ack), seen + cfg.lease_ttl_s)
+
+        return start(self._gen_seen_at.get(n)), start(self._broken_seen_at.get(n))
+
     def _next_look(self, snap: ViewSnapshot, plan: Wait, silent: bool, settled: float,
-                   cfg: JobConfig) -> float | None:
+                   cfg: JobConfig, ready_since: float | None,
+                   alive_since: float | None) -> float | None:
         """When a waiting leader must look again without a change: when the planner says,
         or when a roster member's silence could start (see ``silent_members``)."""
         gen = snap.generation
@@ -183,10 +212,10 @@ class Leader:
             return plan.until
         floor = max(snap.connected_at, settled)
         deadlines = []
-        seen = self._gen_seen_at.get(gen.number)
+        seen = ready_since
         if seen is not None and set(gen.roster) - snap.ready_for(gen.number):
             deadlines.append(max(seen, floor) + cfg.join_timeout_s)
-        broke = self._broken_seen_at.get(gen.number)
+        broke = alive_since
         if broke is not None and set(gen.roster) - snap.alive_for(gen.number):
             deadlines.append(max(broke, floor) + cfg.join_timeout_s)
         return min(deadlines) if deadlines else None

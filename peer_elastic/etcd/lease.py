@@ -76,16 +76,21 @@ class _RefreshThread:
         self._stopped = threading.Event()
         self.thread = threads.start(self._run, name)
 
-    def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost, refresh_now: bool) -> None:
+    def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost, refresh_now: bool,
+             granted_since: float | None) -> None:
         with self.lock:
             kept = self.leases.get(lease_id)
             if kept is not None:
                 kept.callbacks.append(on_lost)
                 return
-            kept = _Kept(ttl_s, [on_lost], time.monotonic())
+            now = time.monotonic()
+            kept = _Kept(ttl_s, [on_lost], now)
             self.leases[lease_id] = kept
-            first = 0.0 if refresh_now else kept.interval
-            heapq.heappush(self.heap, _Due(time.monotonic() + first, lease_id))
+            if refresh_now:
+                first = now
+            else:
+                first = (now if granted_since is None else min(now, granted_since)) + kept.interval
+            heapq.heappush(self.heap, _Due(first, lease_id))
         self._wake.set()
 
     def forget(self, lease_id: int, on_lost: OnLost | None) -> bool:
@@ -154,8 +159,19 @@ class _RefreshThread:
             self._schedule({i: time.monotonic() + min(k.interval, 0.25) for i, k in due.items()})
             return
         next_at: dict[int, float] = {}
+        unanswered = [i for i in due if i not in ttls]
+        if unanswered:
+            # The stream was cut short (EtcdClient.keepalive_many): the answered leases are
+            # refreshed, the rest are tried again soon, as while etcd is unreachable.
+            log.info("%d of %d lease(s) not answered in time; trying them again",
+                     len(unanswered), len(due))
+            soon = time.monotonic()
+            for lease_id in unanswered:
+                next_at[lease_id] = soon + min(due[lease_id].interval, 0.25)
         for lease_id, kept in due.items():
-            if ttls.get(lease_id, 0) <= 0 and len(due) > 1:
+            if lease_id not in ttls:
+                continue
+            if ttls[lease_id] <= 0 and len(due) > 1:
                 # etcd did not know it: confirm on its own before believing it (keepalive).
                 try:
                     self._client.keepalive(lease_id, budget_s=budget)
@@ -205,10 +221,15 @@ class LeaseKeeper:
         self._stopped = False
 
     def keep(self, lease_id: int, ttl_s: float, on_lost: OnLost,
-             lane: Lane = Lane.MEMBER, refresh_now: bool = False) -> None:
+             lane: Lane = Lane.MEMBER, refresh_now: bool = False,
+             granted_since: float | None = None) -> None:
         """Start refreshing ``lease_id`` (first refresh after TTL/3; at once with
         ``refresh_now``: a lease granted by someone else, such as a run lease adopted from a
         peer that died, may have less than TTL/3 left) in ``lane``.
+
+        ``granted_since`` (``time.monotonic()`` just before the grant was asked for): the
+        TTL runs from when etcd granted it, which may be long before its answer was read on
+        a starved process, so the first refresh counts from then.
 
         Keeping a lease that is already kept (members of one process share the run lease)
         only adds ``on_lost``: the lease is refreshed once, until every keeper forgot it.
@@ -218,7 +239,7 @@ class LeaseKeeper:
             if refresher is None:
                 refresher = _RefreshThread(self._client, f"{self._name}:{lane.value}")
                 self._threads[lane] = refresher
-        refresher.keep(lease_id, ttl_s, on_lost, refresh_now)
+        refresher.keep(lease_id, ttl_s, on_lost, refresh_now, granted_since)
 
     def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
         """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
@@ -264,8 +285,10 @@ class Session:
         self.lost = threading.Event()
         self.lost_reason = ""
         self._on_lost = on_lost
+        asked = time.monotonic()
         self.lease_id = lease_id if lease_id is not None else client.grant(ttl_s)
-        self.keeper.keep(self.lease_id, ttl_s, self._handle_lost)
+        self.keeper.keep(self.lease_id, ttl_s, self._handle_lost,
+                         granted_since=asked if lease_id is None else None)
 
     def _handle_lost(self, lease_id: int, why: str) -> None:
         self.lost_reason = why

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from peer_elastic import __version__
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import ConfigError, PeerElasticError, RecordError
+from peer_elastic.errors import ConfigError, LeaseNotFound, PeerElasticError, RecordError
 from peer_elastic.etcd.client import EtcdClient, Txn
 from peer_elastic.etcd.done import done_error
 from peer_elastic.etcd.keys import JobKeys, RunKeys
@@ -119,10 +119,20 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
             if done is not None:
                 raise done_error(job, decode(DoneRecord, done.value, done.key))
             rec = identity.member_record(member_id, session.lease_id)
-            ok, _ = client.txn(
-                [Txn.mod(keys.run_key) == run_kv.mod_revision],
-                [Txn.put(keys.member(member_id), encode(rec), session.lease_id)],
-            )
+            try:
+                ok, _ = client.txn(
+                    [Txn.mod(keys.run_key) == run_kv.mod_revision],
+                    [Txn.put(keys.member(member_id), encode(rec), session.lease_id)],
+                )
+            except LeaseNotFound as exc:
+                # The fresh lease expired before the registration was written: a process
+                # too busy to refresh it in time (hundreds of members starting at once on
+                # a starved host) is slow, not wrong. Nothing was written: a new lease.
+                log.warning("job %s: registering %s again under a new lease: %s", job,
+                            member_id, exc)
+                session.close(revoke=False)
+                session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
+                continue
             if ok:
                 for difference in settings.per_peer_differences(run.config):
                     log.warning("job %s: %s", job, difference)

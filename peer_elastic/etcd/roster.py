@@ -265,25 +265,18 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
     out: dict[str, str] = {}
     if gen is None:
         return out
+    # Every member asks on every change it sees: the snapshot's shared lists of who owes
+    # which ack keep this O(owing), not O(roster), per member.
     floor = max(snap.connected_at, settled_at)
-    n = gen.number
     if seen_at is not None and now - max(seen_at, floor) >= join_timeout_s:
-        acked = snap.ready_for(n)
-        out.update({m: "ready" for m in gen.roster if m not in acked and m in snap.members})
-    broken = snap.broken.get(n, {})
-    if broken and broken_seen_at is not None and now - max(broken_seen_at, floor) >= join_timeout_s:
-        alive = snap.alive_for(n)
-        for m in gen.roster:
-            if m not in out and m not in alive and m not in broken and m in snap.members:
-                out[m] = "alive"
-    if deaths:
-        ready = snap.ready_for(n)
-        alive = snap.alive_for(n)
-        for m in gen.roster:
-            if m in out or m not in deaths or m not in snap.members:
-                continue
-            if m not in ready:
-                out[m] = "ready"
-            elif broken and m not in alive and m not in broken:
-                out[m] = "alive"
+        out.update({m: "ready" for m in snap.not_ready()})
+    if snap.broken.get(gen.number) and broken_seen_at is not None \
+            and now - max(broken_seen_at, floor) >= join_timeout_s:
+        for m in snap.not_alive():
+            out.setdefault(m, "alive")
+    if deaths and snap.owing_acks():
+        not_ready = frozenset(snap.not_ready())
+        for m in snap.not_ready() + snap.not_alive():
+            if m not in out and m in deaths:
+                out[m] = "ready" if m in not_ready else "alive"
     return out

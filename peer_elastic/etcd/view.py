@@ -11,12 +11,14 @@ never crashes the watcher and never becomes part of the picture.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
 
 from peer_elastic.errors import RecordError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
@@ -39,6 +41,44 @@ from peer_elastic.records import (
 )
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class WakeOn(enum.Enum):
+    """Which changes wake a :meth:`JobView.wait_change` waiter."""
+
+    #: Every new picture.
+    ANY_CHANGE = "any change"
+    #: What a member that does not write generations must react to: the run, the
+    #: generation and its breaks, departures, drains, fences, the blacklist, reachability
+    #: reports, ``done``, a reconnection. Not acknowledgements, new registrations, events,
+    #: progress or state: those matter to the writer only (a new member is the youngest, so
+    #: it never changes who writes). One view may serve hundreds of members of one process;
+    #: waking all of their threads for every ack of every member took the CPU from
+    #: everything else the process had to do, its lease keep-alives first.
+    FOLLOWER_CHANGE = "follower change"
+
+
+#: Key kinds whose *puts* wake only :attr:`WakeOn.ANY_CHANGE` waiters (see there).
+_WRITER_ONLY_PUTS = frozenset({
+    KeyKind.MEMBER, KeyKind.READY, KeyKind.ALIVE, KeyKind.STORE, KeyKind.ARRIVED,
+    KeyKind.FAILURES, KeyKind.PROGRESS, KeyKind.STATE, KeyKind.EVENT, KeyKind.SNAPSHOT,
+})
+#: Key kinds whose *deletes* wake only :attr:`WakeOn.ANY_CHANGE` waiters: an expired
+#: member's acks go with its member key, whose delete wakes everyone.
+_WRITER_ONLY_DELETES = frozenset({
+    KeyKind.READY, KeyKind.ALIVE, KeyKind.STORE, KeyKind.ARRIVED, KeyKind.FAILURES,
+    KeyKind.PROGRESS, KeyKind.STATE, KeyKind.EVENT, KeyKind.SNAPSHOT,
+})
+
+
+def wakes_followers(kind: KeyKind | None, deleted: bool) -> bool:
+    """Whether a put (or delete) of a key of ``kind`` concerns :attr:`WakeOn.FOLLOWER_CHANGE`
+    waiters; an unparsable key (None) does not."""
+    if kind is None:
+        return False
+    return kind not in (_WRITER_ONLY_DELETES if deleted else _WRITER_ONLY_PUTS)
 
 
 @dataclass(frozen=True)
@@ -87,6 +127,7 @@ class _RunState:
     state: StateRecord | None = None
     done: DoneRecord | None = None
     events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
+    acks_arrived_at: dict[int, float] = field(default_factory=dict)  # see ViewSnapshot
 
 
 @dataclass(frozen=True)
@@ -121,6 +162,9 @@ class ViewSnapshot:
     # That the run's training state has commits (rank 0 writes it; elastic.py reads it when a
     # group forms with no rank holding committed state).
     state: StateRecord | None = None
+    # Generation -> time.monotonic() when this view last applied a new ``ready`` or
+    # ``alive`` ack for it (the leader's silence clock waits while acks keep arriving).
+    acks_arrived_at: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def generation_number(self) -> int:
@@ -160,18 +204,62 @@ class ViewSnapshot:
 
     def eligible(self) -> list[Member]:
         """Members, oldest first, that may be in a roster: not drained, not fenced, host not
-        blacklisted, not cut off from the others (:meth:`cut_off`).
+        blacklisted, not cut off from the others (:meth:`cut_off`). A copy; see
+        :meth:`eligible_members`."""
+        return list(self.eligible_members())
 
-        Computed once per snapshot (many members of one process read the same snapshot).
-        """
-        cached = self.__dict__.get("_eligible")
+    def eligible_members(self) -> tuple[Member, ...]:
+        """:meth:`eligible`, computed once per snapshot and shared: many members of one
+        process read the same snapshot on every change, and an O(members) copy each made
+        that quadratic."""
+        return self._memo("_eligible", lambda: tuple(
+            m for m in self.by_age
+            if m.id not in self.drains and m.id not in self.fenced
+            and m.host not in self.blacklist and m.id not in self.cut_off()))
+
+    def eligible_rank(self, member_id: str) -> int | None:
+        """Position of ``member_id`` in :meth:`eligible_members` (0: the oldest), or None."""
+        ranks = self._memo("_eligible_rank", lambda: {
+            m.id: k for k, m in enumerate(self.eligible_members())})
+        return ranks.get(member_id)
+
+    def not_ready(self) -> tuple[str, ...]:
+        """Roster members of the current generation with a live key and no ``ready`` ack,
+        in roster order. Once per snapshot."""
+        def compute() -> tuple[str, ...]:
+            gen = self.generation
+            if gen is None:
+                return ()
+            ready = self.ready_for(gen.number)
+            return tuple(m for m in gen.roster if m not in ready and m in self.members)
+        return self._memo("_not_ready", compute)
+
+    def not_alive(self) -> tuple[str, ...]:
+        """Once the current generation broke: roster members with a live key that neither
+        answered ``alive`` nor marked it broken themselves, in roster order (empty while it
+        is not broken). Once per snapshot."""
+        def compute() -> tuple[str, ...]:
+            gen = self.generation
+            broken = self.broken.get(gen.number, {}) if gen is not None else {}
+            if not broken:
+                return ()
+            alive = self.alive_for(gen.number)  # type: ignore[union-attr]
+            return tuple(m for m in gen.roster  # type: ignore[union-attr]
+                         if m not in alive and m not in broken and m in self.members)
+        return self._memo("_not_alive", compute)
+
+    def owing_acks(self) -> frozenset[str]:
+        """:meth:`not_ready` and :meth:`not_alive` together: who owes an ack now."""
+        return self._memo("_owing", lambda: frozenset(self.not_ready()) | frozenset(
+            self.not_alive()))
+
+    def _memo(self, name: str, compute: Callable[[], _T]) -> _T:
+        """``compute()``, once per snapshot (it is immutable; the cache is not a field)."""
+        cached = self.__dict__.get(name)
         if cached is None:
-            cut = self.cut_off()
-            cached = tuple(m for m in self.by_age
-                           if m.id not in self.drains and m.id not in self.fenced
-                           and m.host not in self.blacklist and m.id not in cut)
-            object.__setattr__(self, "_eligible", cached)
-        return list(cached)
+            cached = compute()
+            object.__setattr__(self, name, cached)
+        return cached
 
 
 class JobView:
@@ -181,12 +269,15 @@ class JobView:
         self.client = client
         self.job = job
         self.prefix = job_prefix(job)
-        self._lock = threading.Condition()
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)  # every change (WakeOn.ANY_CHANGE)
+        self._followers = threading.Condition(mutex)  # WakeOn.FOLLOWER_CHANGE only
         self._run: RunRecord | None = None
         self._run_mod_revision = 0
         self._runs: dict[str, _RunState] = {}
         self._revision = 0
         self._version = 0
+        self._follower_version = 0
         self._membership_changed_at = time.monotonic()
         self._snapshot: ViewSnapshot | None = None
         self._reported: set[str] = set()
@@ -241,19 +332,26 @@ class JobView:
             return self._snapshot
 
     def wait_change(self, version: int, timeout: float,
-                    until: Callable[[], bool] | None = None) -> int:
-        """Block until the view's version differs from ``version``, ``until()`` holds (checked
-        at every :meth:`wake`), or ``timeout`` passes. Returns the current version."""
-        with self._lock:
-            self._lock.wait_for(
-                lambda: self._version != version or (until is not None and until()),
-                timeout=timeout)
-            return self._version
+                    until: Callable[[], bool] | None = None,
+                    wake_on: WakeOn = WakeOn.ANY_CHANGE) -> int:
+        """Block until the view's version of the changes ``wake_on`` names differs from
+        ``version``, ``until()`` holds (checked at every :meth:`wake`), or ``timeout``
+        passes. Returns that version now (a :attr:`WakeOn.FOLLOWER_CHANGE` version is not a
+        snapshot's ``version``: pass each kind its own)."""
+        if wake_on is WakeOn.ANY_CHANGE:
+            cond, current = self._lock, lambda: self._version
+        else:
+            cond, current = self._followers, lambda: self._follower_version
+        with cond:
+            cond.wait_for(lambda: current() != version or (until is not None and until()),
+                          timeout=timeout)
+            return current()
 
     def wake(self) -> None:
         """Wake every waiter so it re-checks its own condition (close, lease loss)."""
         with self._lock:
             self._lock.notify_all()
+            self._followers.notify_all()
 
     def wait_for(self, predicate, timeout: float) -> ViewSnapshot | None:  # noqa: ANN001
         """Wait until ``predicate(snapshot)`` holds; return that snapshot or None on timeout."""
@@ -282,27 +380,30 @@ class JobView:
             new_members = set(self._current().members) if self._run else set()
             if old_members != new_members:
                 self._membership_changed_at = time.monotonic()
-            self._commit(revision)
+            self._commit(revision, followers=True)
 
     def _apply_events(self, events: list[WatchEvent], revision: int) -> None:
         with self._lock:
+            followers = False
             for ev in events:
-                if ev.kind == "put":
-                    self._apply_put(ev.kv)
-                else:
-                    self._apply_delete(ev.kv.key)
-            self._commit(revision)
+                deleted = ev.kind != "put"
+                k = self._apply_delete(ev.kv.key) if deleted else self._apply_put(ev.kv)
+                followers = followers or wakes_followers(k.kind if k else None, deleted)
+            self._commit(revision, followers)
 
     def _on_connected(self) -> None:
         # A (re)connection changes the picture's freshness (connected_at): publish it.
         with self._lock:
-            self._commit(self._revision)
+            self._commit(self._revision, followers=True)
 
-    def _commit(self, revision: int) -> None:
+    def _commit(self, revision: int, followers: bool) -> None:
         self._revision = revision
         self._version += 1
         self._snapshot = None
         self._lock.notify_all()
+        if followers:
+            self._follower_version += 1
+            self._followers.notify_all()
 
     def _current(self) -> _RunState:
         assert self._run is not None
@@ -318,13 +419,14 @@ class JobView:
         k = parse(key)
         return k if k is not None and k.job == self.job else None
 
-    def _apply_put(self, kv: KeyValue) -> None:
+    def _apply_put(self, kv: KeyValue) -> ParsedKey | None:
+        """Apply one put; returns the key it parsed (None: not one of ours)."""
         k = self._parse(kv.key)
         if k is None:
             self._bad(kv.key, f"{kv.key}: unexpected key under the job prefix")
-            return
+            return None
         if k.kind is KeyKind.SNAPSHOT:
-            return  # job-level durable snapshot records: not part of any run's picture
+            return k  # job-level durable snapshot records: not part of any run's picture
         try:
             if k.kind is KeyKind.RUN:
                 run = decode(RunRecord, kv.value, kv.key)
@@ -333,7 +435,7 @@ class JobView:
                     self._membership_changed_at = time.monotonic()
                 self._run = run
                 self._run_mod_revision = kv.mod_revision
-                return
+                return k
             st = self._runs.setdefault(k.run_id, _RunState())
             if k.kind is KeyKind.GENERATION:
                 # Track the key's revision even if the value turns out to be junk, so the
@@ -342,8 +444,9 @@ class JobView:
             self._apply_run_put(st, k, kv)
         except RecordError as exc:
             self._bad(kv.key, str(exc))
-            return
+            return k
         self.malformed.pop(kv.key, None)
+        return k
 
     def _apply_run_put(self, st: _RunState, k: ParsedKey, kv: KeyValue) -> None:
         kind, name = k.kind, k.name
@@ -362,15 +465,17 @@ class JobView:
                 )
             st.generation = rec
             # Acks of generations two or more behind are history.
-            for table in (st.ready, st.alive, st.broken):
+            for table in (st.ready, st.alive, st.broken, st.acks_arrived_at):
                 for n in [n for n in table if n < rec.number - 1]:
                     del table[n]
         elif kind in (KeyKind.READY, KeyKind.ALIVE, KeyKind.BROKEN):
             ack = decode(AckRecord, kv.value, kv.key)
             if kind is KeyKind.READY:
                 st.ready.setdefault(k.generation, set()).add(name)
+                st.acks_arrived_at[k.generation] = time.monotonic()
             elif kind is KeyKind.ALIVE:
                 st.alive.setdefault(k.generation, set()).add(name)
+                st.acks_arrived_at[k.generation] = time.monotonic()
             else:
                 st.broken.setdefault(k.generation, {})[name] = ack.detail
         elif kind in (KeyKind.STORE, KeyKind.ARRIVED):
@@ -410,11 +515,15 @@ class JobView:
         elif kind is KeyKind.EVENT:
             st.events.add(kv.key)  # counted for pruning; records are read by the CLI only
 
-    def _apply_delete(self, key: str) -> None:
+    def _apply_delete(self, key: str) -> ParsedKey | None:
+        """Apply one delete; returns the key it parsed (None: not one of ours)."""
         self.malformed.pop(key, None)
         k = self._parse(key)
-        if k is None:
-            return
+        if k is not None:
+            self._apply_parsed_delete(key, k)
+        return k
+
+    def _apply_parsed_delete(self, key: str, k: ParsedKey) -> None:
         if k.kind is KeyKind.RUN:
             self._run = None
             self._run_mod_revision = 0
@@ -490,5 +599,6 @@ class JobView:
             fenced=MappingProxyType(dict(st.fenced)),
             unreachable=MappingProxyType(dict(st.unreachable)),
             state=st.state,
+            acks_arrived_at=MappingProxyType(dict(st.acks_arrived_at)),
         )
 
