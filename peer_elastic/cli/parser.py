@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from peer_elastic.cli.exit_codes import ExitCode
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.settings_table import ETCD, JOB, LOG_LEVEL, EnvVar
 
-__all__ = ["LOG_LEVELS", "build_parser", "package_version"]
+__all__ = ["LOG_LEVELS", "CommandLine", "build_command_line", "build_parser",
+           "chosen_log_level", "package_version"]
 
 #: The names ``--log-level`` takes (any case).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -81,7 +83,19 @@ def _job_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """The ``peer-elastic`` parser and each subcommand's own (for their ``--help``)."""
+
+    parser: argparse.ArgumentParser
+    commands: dict[str, argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return build_command_line().parser
+
+
+def build_command_line() -> CommandLine:
     common = _logging_flags()
     parser = argparse.ArgumentParser(
         prog="peer-elastic", parents=[common],
@@ -93,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"peer-elastic {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    commands: dict[str, argparse.ArgumentParser] = {}
+
     def command(name: str, help: str, description: str, **kw: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description, parents=[common], **kw)
+        commands[name] = sub.add_parser(name, help=help, description=description,
+                                        parents=[common], **kw)
+        return commands[name]
 
     run = command(
         "run", "start N identical local peers running CMD",
@@ -192,4 +210,4 @@ def build_parser() -> argparse.ArgumentParser:
         "after a run, while its keys are in etcd (run_ttl_s after its last peer)."))
     report.add_argument("--out", required=True, type=Path,
                         help="FILE.svg or FILE.html, in a directory that exists")
-    return parser
+    return CommandLine(parser, commands)
