@@ -111,6 +111,15 @@ def test_an_etcd_binary_override_pointing_nowhere_says_so(tmp_path: Path) -> Non
     assert ETCD_BINARY_ENV in one_line(r)
 
 
+def test_run_of_a_command_that_does_not_exist_is_one_line(etcd: str, unique_job: str) -> None:
+    r = cli("run", "--etcd", etcd, "--job", unique_job, "-n", "2", "--",
+            "no-such-program-for-peer-elastic")
+    assert r.returncode == ExitCode.USAGE
+    lines = [x for x in r.stderr.strip().splitlines() if "on etcd" not in x]  # the job's line
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert "cannot start 'no-such-program-for-peer-elastic'" in lines[0]
+
+
 # --- bad requests to a job ----------------------------------------------------------------------
 
 

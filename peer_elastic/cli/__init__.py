@@ -1,10 +1,12 @@
 """The ``peer-elastic`` command.
 
 Every expected failure is one line on stderr naming the fix, and an exit code of
-:class:`~peer_elastic.cli.exit_codes.ExitCode` (the table is in docs/cli.md): 0 ok, 1 the
-command failed, 2 bad usage or settings, 3 etcd unreachable, 4 the job failed as a whole,
-6 no such job, 130 interrupted. ``run`` returns the job's result (:func:`run_outcome
-<peer_elastic.cli.run.run_outcome>`).
+:class:`~peer_elastic.cli.exit_codes.ExitCode` (the table is in docs/cli.md, checked against
+the enum). ``run`` returns the job's result (:func:`~peer_elastic.cli.run.run_outcome`).
+
+The pieces: :mod:`~peer_elastic.cli.parser` (flags and help), :mod:`~peer_elastic.cli.run`,
+:mod:`~peer_elastic.cli.etcd`, :mod:`~peer_elastic.cli.jobs` (the commands on a job), and
+:mod:`~peer_elastic.cli.stopping` (what SIGTERM and Ctrl-C mean to a server).
 """
 
 from __future__ import annotations

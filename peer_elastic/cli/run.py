@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from peer_elastic.cli.etcd import start_etcd
-from peer_elastic.cli.exit_codes import ExitCode
+from peer_elastic.cli.exit_codes import CommandFailed, ExitCode
 from peer_elastic.cli.parser import chosen_log_level
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import PeerElasticError
@@ -109,15 +109,31 @@ def run_outcome(returncodes: Sequence[int], interrupted: bool) -> RunOutcome:
         code = ExitCode.INTERRUPTED
     elif ExitCode.JOB_FAILED in finished:
         code = ExitCode.JOB_FAILED
-    elif any(finished) or not finished:
+    elif not finished:
         code = ExitCode.FAILED
-        if not finished:
-            notes.append("no peer finished")
+        notes.append("no peer finished")
+    elif any(rc != 0 for rc in finished):
+        code = ExitCode.FAILED
     else:
         code = ExitCode.OK
         if notes:
             notes.append("the job completed without them")
     return RunOutcome(code, tuple(notes))
+
+
+def _job_environment(args: argparse.Namespace, job: str,
+                     environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the job's name, the settings given as flags and the log level asked
+    for: what every peer of this run shares (the etcd comes once it is known)."""
+    env = {**environ, JOB.env: job}
+    for f in JOB_FIELDS:
+        value = getattr(args, f.name)
+        if value is not None:
+            env[f.env] = str(value)
+    level = chosen_log_level(args)
+    if level is not None:
+        env[LOG_LEVEL.env] = level
+    return env
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExitCode:
@@ -133,15 +149,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExitCo
     if args.tee and args.log_dir is None:
         parser.error("run: --tee needs --log-dir")
     target = job_target(args, parser, os.environ)
-    env = dict(os.environ)
-    env[JOB.env] = target.job
-    for f in JOB_FIELDS:
-        value = getattr(args, f.name)
-        if value is not None:
-            env[f.env] = str(value)
-    level = chosen_log_level(args)
-    if level is not None:
-        env[LOG_LEVEL.env] = level
+    env = _job_environment(args, target.job, os.environ)
     server: EtcdServer | None = None
     if target.standalone:
         server = start_etcd(alternative="pass --etcd HOST:PORT of a running etcd",
@@ -227,8 +235,13 @@ def _run_peers(cmd: list[str], envs: Sequence[Mapping[str, str]], output: Output
     on_launcher_death = die_with_parent(orphaned)
     try:
         for i, penv in enumerate(envs):
-            p = subprocess.Popen(cmd, env=dict(penv), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, preexec_fn=on_launcher_death)
+            try:
+                p = subprocess.Popen(cmd, env=dict(penv), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, preexec_fn=on_launcher_death)
+            except OSError as exc:  # no such program, not executable: the same for every peer
+                raise CommandFailed(ExitCode.USAGE, f"run: cannot start {cmd[0]!r}: "
+                                    f"{exc.strerror or exc}; check the command after --"
+                                    ) from None
             procs.append(p)
             if tracker is not None:
                 tracker.add(i, p.pid)
