@@ -102,11 +102,12 @@ def test_local_rank_comes_from_any_launcher(environ: dict[str, str], expected: i
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_run_gives_each_peer_torchruns_variables_and_the_log_level(etcd: str,
                                                                   unique_job: str) -> None:
     r = cli("run", "--log-level", "debug", "-n", "2", "--start-settle", "0.2", "--",
             sys.executable, HELPER, "--join",
-            env={"PEER_ELASTIC_ETCD": etcd, "PEER_ELASTIC_JOB": unique_job})
+            env={"PEER_ELASTIC_ETCD": etcd, "PEER_ELASTIC_JOB": unique_job}, timeout=500)
     assert r.returncode == ExitCode.OK, r.stdout[-6000:]
     # The job is named at start, and it is the exported one; so is the etcd (no --etcd).
     m = JOB_LINE.search(r.stdout)
@@ -134,6 +135,7 @@ def test_verbose_before_or_after_the_subcommand_reaches_the_peers(
     assert env_reports(r.stdout)[0]["log_level"] == "INFO", r.stdout[-6000:]
 
 
+@pytest.mark.timeout(900)
 def test_two_launchers_with_the_exported_job_form_one_job(etcd: str, unique_job: str) -> None:
     # One host names the etcd with --etcd, the other only exports it; neither names the job.
     exported = {"PEER_ELASTIC_JOB": unique_job}
@@ -143,16 +145,16 @@ def test_two_launchers_with_the_exported_job_form_one_job(etcd: str, unique_job:
                  env={**exported, "PEER_ELASTIC_ETCD": etcd}, name="host-b")
     try:
         for p in (a, b):
-            assert wait_for_line(p, JOB_LINE.pattern, 60)[1] == unique_job
-            wait_for_line(p, r"\]: READY ", 120)
+            assert wait_for_line(p, JOB_LINE.pattern, 180)[1] == unique_job
+            wait_for_line(p, r"\]: READY ", 300)
         status = subprocess.run([sys.executable, "-m", "peer_elastic.cli", "status", "--etcd",
-                                 etcd, "--job", unique_job, "--json"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=60)
+                                 etcd, "--job", unique_job, "--json", "--timeout", "60"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert status.returncode == 0, status.stderr
         assert len(json.loads(status.stdout)["members"]) == 2, status.stdout
         for p in (a, b):  # SIGTERM: the peers leave gracefully; the run was interrupted
             p.signal(signal.SIGTERM)
-        assert [p.wait(timeout=120) for p in (a, b)] == [ExitCode.INTERRUPTED] * 2
+        assert [p.wait(timeout=300) for p in (a, b)] == [ExitCode.INTERRUPTED] * 2
     finally:
         a.kill()
         b.kill()
@@ -181,6 +183,7 @@ def _peer_pids(launcher_pid: int, script: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_a_peer_killed_mid_run_does_not_fail_the_run() -> None:
     """``run --standalone -n 3`` of the digits example; one peer SIGKILLed once all three
     train: the job completes without it and the run exits 0. The example's progress lines
@@ -189,11 +192,11 @@ def test_a_peer_killed_mid_run_does_not_fail_the_run() -> None:
     p = launcher("run", "--standalone", "-n", "3", "--start-settle", "0.5", "--",
                  sys.executable, script, "--epochs", "6", "--progress-every", "1")
     try:
-        wait_for_line(p, r"^\[peer\d rank\d\]: epoch \d+ step \d+ rank \d/3 loss \d", 300)
+        wait_for_line(p, r"^\[peer\d rank\d\]: epoch \d+ step \d+ rank \d/3 loss \d", 600)
         victims = _peer_pids(p.pid, script)
         assert len(victims) == 3, victims
         os.kill(victims[1], signal.SIGKILL)
-        code = p.wait(timeout=600)
+        code = p.wait(timeout=800)
         # The launcher's last words; every line before them has been read once they are.
         p.wait_line("peer-elastic: the job completed without them", 60)
     finally:
