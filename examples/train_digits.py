@@ -5,6 +5,8 @@ The dataset is scikit-learn's 8x8 digits, which ships inside the scikit-learn pa
 
     peer-elastic run --standalone -n 3 -- python examples/train_digits.py
 
+Under ``peer-elastic run`` (stdout a pipe) each peer prints a progress line every few
+seconds (``--progress-every``); on a terminal, rank 0 shows a progress bar instead.
 Kill one (``kill -9``), stop one gracefully (``kill -TERM``), or start another with the same
 ``PEER_ELASTIC_ETCD`` / ``PEER_ELASTIC_JOB`` (``peer-elastic status`` shows them): training
 goes on, and the test accuracy at the end is what it is without interruptions (about
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,23 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
+class ProgressLines:
+    """A plain line (epoch, step, rank/world, loss) at most every ``every_s`` seconds, the
+    first at once: what shows progress where no bar can (stdout a pipe, as under
+    ``peer-elastic run``, or a log file). Off with ``every_s`` 0."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._next = 0.0
+
+    def maybe_print(self, epoch: int, step: int, rank: int, world: int, loss: float) -> None:
+        now = time.monotonic()
+        if self.every_s <= 0 or now < self._next:
+            return
+        self._next = now + self.every_s
+        print(f"epoch {epoch} step {step} rank {rank}/{world} loss {loss:.4f}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=12)
@@ -59,7 +79,11 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.0, help="exit 1 below this accuracy")
     ap.add_argument("--ddp", action="store_true",
                     help="average with DDP (rebuilt in a reset callback) and pe.allreduce_hook")
+    ap.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
+                    help="when stdout is not a terminal, print a progress line this often "
+                    "(0: never)")
     args = ap.parse_args()
+    progress = ProgressLines(0.0 if sys.stdout.isatty() else args.progress_every)
 
     train_set, test_set = load_digits_split()
     torch.manual_seed(0)
@@ -99,11 +123,14 @@ def main() -> int:
                     bar = tqdm(total=len(loader), desc=f"epoch {state.epoch} (world {peer.size})")
                 for batch_idx, (x, y) in enumerate(loader):
                     optimizer.zero_grad()
-                    loss_fn(forward["model"](x), y).backward()
+                    loss = loss_fn(forward["model"](x), y)
+                    loss.backward()
                     optimizer.step()
                     state.sampler.record_batch(batch_idx, args.batch_size)
                     if bar is not None:
                         bar.update(1)
+                    progress.maybe_print(state.epoch, state.commit_count, peer.rank, peer.size,
+                                         loss.item())
                     if (batch_idx + 1) % args.commit_every == 0:
                         state.commit()
                         peer.record_progress(epoch=state.epoch, batch=batch_idx,

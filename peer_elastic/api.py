@@ -49,7 +49,25 @@ THREADS_END_WAIT_S = 10.0
 
 #: Exit code of a peer whose training thread hung (``hang_timeout_s``): it fenced itself out
 #: of the job; restarted, it joins as a new member (defined in :mod:`peer_elastic.liveness`).
-__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join", "run"]
+__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join",
+           "local_rank_from_env", "run"]
+
+#: Other launchers' names for the local rank, read when ``PEER_ELASTIC_LOCAL_RANK`` is
+#: unset (in this order): a script started by torchrun or srun finds its slot too.
+OTHER_LOCAL_RANKS = (
+    env.EnvVar("LOCAL_RANK", int, None, "torchrun's local rank"),
+    env.EnvVar("SLURM_LOCALID", int, None, "Slurm's local task id"),
+)
+
+
+def local_rank_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """This process's slot on its host (``peer.local_rank``): ``PEER_ELASTIC_LOCAL_RANK``,
+    else torchrun's ``LOCAL_RANK``, else Slurm's ``SLURM_LOCALID``, else 0."""
+    for var in (env.LOCAL_RANK, *OTHER_LOCAL_RANKS):
+        if var.raw(environ) is not None:
+            return int(var.value(environ))
+    return 0
+
 
 _active: Peer | None = None
 _open_joins = 0  # join() blocks of this process not yet cleaned up
@@ -116,7 +134,7 @@ def join(
         raise ConfigError(f"no job name: pass job='name' or set {env.JOB.env}")
     logs.setup()
     job_settings = JobSettings.from_env(min_np=min_np, max_np=max_np, **settings)
-    local_rank: int = env.LOCAL_RANK.value()
+    local_rank = local_rank_from_env()
     client = connect(etcd)
     # Before the Coordinator: the member record publishes where to scrape (its address).
     metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
@@ -204,8 +222,8 @@ def _make_peer(coord: Coordinator, metrics: PeerMetrics | NoopMetrics, local_ran
     if peer.groups.backend == "nccl":
         import torch
 
-        # One GPU per local slot: PEER_ELASTIC_LOCAL_RANK (peer-elastic run and the
-        # systemd unit set it) picks the device before any collective runs.
+        # One GPU per local slot: the local rank (local_rank_from_env) picks the device
+        # before any collective runs.
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return peer
 

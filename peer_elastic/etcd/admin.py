@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from peer_elastic.config import JOB_FIELDS, validate
-from peer_elastic.errors import ConfigError, EtcdError, PeerElasticError
+from peer_elastic.errors import ConfigError, EtcdError, JobNotFound, PeerElasticError
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn
 from peer_elastic.etcd.keys import JobKeys, RunKeys
 from peer_elastic.etcd.snapshot_records import list_snapshots
@@ -40,7 +40,7 @@ def current_run(client: EtcdClient, job: str) -> tuple[RunRecord, KeyValue]:
     """``job``'s current run record (and its key-value, for a compare-and-swap)."""
     kv = client.get(JobKeys(job).run_key)
     if kv is None:
-        raise ConfigError(f"job {job!r} has no running run")
+        raise JobNotFound(f"job {job!r} has no running run")
     return decode(RunRecord, kv.value, kv.key), kv
 
 
@@ -81,6 +81,20 @@ def drain_all(client: EtcdClient, job: str, requested_by: str = "operator") -> l
     return members
 
 
+#: The largest whole-number setting a run record holds (its fields are uint32).
+_UINT32_MAX = 2**32 - 1
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    """``paused=true`` and its spellings; anything else is refused, never read as false."""
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ConfigError(f"{name}={value!r}: expected true or false (1/0, yes/no, on/off)")
+
+
 def _parse_changes(changes: Mapping[str, object]) -> dict[str, object]:
     """Check that ``changes`` name runtime settings and convert their values."""
     kinds = {f.name: f.kind for f in JOB_FIELDS} | {"paused": bool}
@@ -93,11 +107,14 @@ def _parse_changes(changes: Mapping[str, object]) -> dict[str, object]:
         kind = kinds[name]
         try:
             if kind is bool and isinstance(value, str):
-                out[name] = value.lower() in ("1", "true", "yes", "on")
+                out[name] = _parse_bool(name, value)
             else:
                 out[name] = kind(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+        if kind is int and not 0 <= out[name] <= _UINT32_MAX:  # type: ignore[operator]
+            raise ConfigError(f"{name}={value!r}: must be a whole number from 0 to "
+                              f"{_UINT32_MAX}")
     return out
 
 
@@ -139,7 +156,7 @@ def job_status(client: EtcdClient, job: str) -> dict[str, Any]:
     finally:
         view.stop()
     if snap.run is None:
-        raise ConfigError(f"job {job!r} has no running run (unknown job, or it ended long ago)")
+        raise JobNotFound(f"job {job!r} has no running run (unknown job, or it ended long ago)")
     doc = status_document(job, snap, time.time(), last_seen(client, snap))
     snapshots = list_snapshots(client, job)
     doc["snapshot"] = snapshot_document(snapshots[-1]) if snapshots else None
