@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.0, help="exit 1 below this accuracy")
     ap.add_argument("--ddp", action="store_true",
                     help="average with DDP (rebuilt in a reset callback) and pe.allreduce_hook")
-    ap.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
+    ap.add_argument("--progress-every", type=float, default=2.0, metavar="SECONDS",
                     help="when stdout is not a terminal, print a progress line this often "
                     "(0: never)")
     args = ap.parse_args()
