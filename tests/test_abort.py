@@ -19,8 +19,9 @@ import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, Loss, endpoint_matcher
 from peer_elastic.torch.held_connections import HeldConnections
+from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, others_output
-from tests.test_crash_detection import start_world_of_3
+from tests.helpers.worker_lines import start_world_of_3
 
 
 @pytest.fixture
@@ -254,11 +255,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
+cluster = cluster_fixture(SETTINGS)
 
 
 #: How long the others may take to re-form without a stopped peer: below the collective

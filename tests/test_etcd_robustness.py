@@ -34,8 +34,8 @@ from peer_elastic.records import (
     decode,
     encode,
 )
+from tests.helpers.etcdctl import etcdctl
 from tests.helpers.procs import Cluster
-from tests.test_etcd_errors import etcdctl
 
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0, min_np=1)
 
