@@ -122,7 +122,7 @@ def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
     cluster.env.update(WORKER_EPOCHS="30", WORKER_END_FILE=str(end))
     peers = cluster.start(2, PEER_ELASTIC_SNAPSHOT_EVERY=300)  # only the final one
     wait_until(lambda: any(line.startswith("STEP 1 ") for line in peers[0].lines), 120,
-             "epoch 1", peers)
+               "epoch 1", peers)
     assert directory.names() == []
     asked = time.time()
     assert "asked all 2 members" in cli(etcd, "drain", "--all", "--job", unique_job)

@@ -21,6 +21,7 @@ from tests.helpers.worker_lines import (
     callback_digests,
     gen_lines,
     result_of,
+    starts,
     wait_more_steps,
 )
 
@@ -206,5 +207,4 @@ def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: 
     r = result_of(a)
     assert r["exact"] and r["identical"], r
     # Re-entered in the middle of an epoch with progress held (the trap this guards).
-    assert any(int(line.split()[2]) > 0 for line in a.lines if line.startswith("START ")), \
-        a.output()
+    assert any(processed > 0 for _, processed, _ in starts(a)), a.output()

@@ -61,14 +61,14 @@ def test_a_parked_peer_goes_on_from_the_newest_snapshot_when_the_roster_dies(
         assert "max_np=2" in cli(etcd, "set", "--job", unique_job, "max_np=2")
         # The parked peer is the one that formed no group of two.
         wait_until(lambda: sum(any(size == 2 for _, _, size in gen_lines(p)) for p in peers) == 2,
-                 120, "a group of two", peers)
+                   120, "a group of two", peers)
         (parked,) = [p for p in peers if not any(size == 2 for _, _, size in gen_lines(p))]
         trained = [p for p in peers if p is not parked]
         at_park = directory.newest_valid()
         assert at_park is not None
         # The two train on, and snapshots get well ahead of what the parked peer holds.
         wait_until(lambda: (directory.newest_valid() or at_park).id.commits
-                 >= at_park.id.commits + 10, 120, "snapshots past the park", peers)
+                   >= at_park.id.commits + 10, 120, "snapshots past the park", peers)
         starts_before = len(starts(parked))
         for p in trained:
             p.signal(signal.SIGKILL)
@@ -78,7 +78,7 @@ def test_a_parked_peer_goes_on_from_the_newest_snapshot_when_the_roster_dies(
         assert newest is not None
         parked.wait_line("START", timeout=120, after=0)
         wait_until(lambda: len(starts(parked)) > starts_before, 120,
-                 "the parked peer's group", peers)
+                   "the parked peer's group", peers)
         resumed_at = starts(parked)[starts_before][2]
         # Never behind the newest snapshot written before the roster died.
         assert resumed_at >= newest.id.commits > at_park.id.commits, (
@@ -125,7 +125,7 @@ def test_a_reused_job_name_with_another_model_keeps_and_resumes_its_own_snapshot
     try:
         run2 = second.start(2)
         wait_until(lambda: len(set(directory.names()) - old) >= 2, 120,
-                 "two snapshots of the second run", run2)
+                   "two snapshots of the second run", run2)
         for p in run2:
             p.signal(signal.SIGKILL)
         for p in run2:
