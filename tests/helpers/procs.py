@@ -53,6 +53,10 @@ class PeerProc:
     def pid(self) -> int:
         return self.proc.pid
 
+    def ended(self) -> bool:
+        """Exited, and every line it wrote is in ``lines`` (the reader reached the end)."""
+        return self.proc.poll() is not None and not self._reader.is_alive()
+
     def wait_line(self, prefix: str, timeout: float = 60, after: int = 0) -> str:
         """First line starting with ``prefix`` at index >= ``after`` (bounded wait)."""
         deadline = time.monotonic() + timeout
@@ -62,7 +66,7 @@ class PeerProc:
                     if line.startswith(prefix):
                         return line
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                if left <= 0 or self.ended():
                     raise AssertionError(
                         f"{self.name}: no line starting {prefix!r}; output:\n" + self.output())
                 self.cond.wait(min(left, 0.5))

@@ -103,13 +103,15 @@ def callback_digests(peers: list[PeerProc]) -> dict[str, set[str]]:
 
 def wait_for(p: PeerProc, find: Callable[[], T | None], what: str, timeout: float = 90) -> T:
     """What ``find`` returns once it is not None, rechecked on each new line of ``p``; fails
-    saying ``what`` when ``timeout`` passes or ``p`` exits first."""
+    saying ``what`` when ``timeout`` passes, or once ``p`` has exited and its every line was
+    looked at."""
     deadline = time.monotonic() + timeout
     while True:
+        ended = p.ended()  # before looking: its last lines count
         found = find()
         if found is not None:
             return found
-        if time.monotonic() > deadline or p.proc.poll() is not None:
+        if time.monotonic() > deadline or ended:
             raise AssertionError(f"{p.name}: {what}; output:\n{p.output()}")
         with p.cond:
             p.cond.wait(0.5)
