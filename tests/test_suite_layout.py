@@ -4,15 +4,21 @@ test module, so that each runs alone, and a helper has one home."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+#: Text without this has no import of a test module (most files: they are not parsed).
+MAY_IMPORT_A_TEST_MODULE = re.compile(r"\btests\s*\.\s*test_|\bfrom\s+tests\s+import\b")
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in ``path``, at any depth (inside functions too)."""
+    text = path.read_text()
+    if not MAY_IMPORT_A_TEST_MODULE.search(text):  # nothing to find: spare the parse
+        return []
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
