@@ -19,8 +19,9 @@ import pytest
 
 from peer_elastic.torch.abort import GroupConnections, HangWatchdog, Loss, endpoint_matcher
 from peer_elastic.torch.held_connections import HeldConnections
+from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, others_output
-from tests.test_crash_detection import start_world_of_3
+from tests.helpers.worker_lines import start_world_of_3
 
 
 @pytest.fixture
@@ -215,6 +216,7 @@ def test_watchdog_spares_a_group_the_training_thread_leaves_within_the_grace() -
 # -- the real thing ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_leaving_a_group_a_ddp_wrapper_keeps_alive_fails_the_peer_waiting_on_it(
         tmp_path) -> None:
     # Real gloo, two processes. Rank 0 built DDP on the group (its reducer holds the group,
@@ -254,11 +256,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
+cluster = cluster_fixture(SETTINGS)
 
 
 #: How long the others may take to re-form without a stopped peer: below the collective
@@ -414,6 +412,7 @@ def _may_force_send_buffers() -> bool:
 
 @pytest.mark.skipif(not _may_force_send_buffers(),
                     reason="needs CAP_NET_ADMIN (SO_SNDBUFFORCE) for a 64 MB send buffer")
+@pytest.mark.slow
 def test_a_send_gloo_queued_on_a_stalled_link_ends_when_its_connections_are_cut(
         tmp_path) -> None:
     # Real gloo, two processes. Rank 1 posts a receive and is SIGSTOPped; rank 0 sends it

@@ -102,6 +102,7 @@ def _roll_forward(rank: int, world: int, out: Path) -> None:
     _dump(out, rank, state, agreement, restored_equal=bool(torch.equal(state.model.weight, w)))
 
 
+@pytest.mark.slow
 def test_ranks_adopt_the_newest_commit_from_whichever_rank_holds_it(tmp_path: Path) -> None:
     _run_world(_roll_forward, 3, tmp_path)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
@@ -131,6 +132,7 @@ def _restored_next_to_live(rank: int, world: int, out: Path) -> None:
     _dump(out, rank, state, agreement)
 
 
+@pytest.mark.slow
 def test_a_live_rank_ahead_of_a_restored_one_with_equal_commits_wins(tmp_path: Path) -> None:
     _run_world(_restored_next_to_live, 2, tmp_path)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
@@ -154,6 +156,7 @@ def _stale_member_returns(rank: int, world: int, out: Path) -> None:
     _dump(out, rank, state, agreement)
 
 
+@pytest.mark.slow
 def test_a_returning_member_with_stale_state_is_synced(tmp_path: Path) -> None:
     _run_world(_stale_member_returns, 3, tmp_path)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
@@ -169,6 +172,7 @@ def _removals_only(rank: int, world: int, out: Path) -> None:
     _dump(out, rank, state, agreement)
 
 
+@pytest.mark.slow
 def test_identical_versions_and_no_need_skip_the_sync(tmp_path: Path) -> None:
     _run_world(_removals_only, 2, tmp_path)
     assert [json.loads((tmp_path / f"{r}.json").read_text())["src"] for r in range(2)] == [None] * 2

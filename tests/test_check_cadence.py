@@ -68,6 +68,7 @@ def test_the_agreed_period_decides_which_checks_exchange() -> None:
     assert cadence.due()
 
 
+@pytest.mark.slow
 def test_real_peers_checking_back_to_back_space_their_exchanges_alike(
         etcd: str, unique_job: str) -> None:
     """Real etcd, two real peers, 400 checks back to back (nothing between them: checks far

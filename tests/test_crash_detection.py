@@ -12,19 +12,26 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.view import JobView
+from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.false_drops import run_resets
 from tests.helpers.netns import tcp_connections
-from tests.helpers.procs import Cluster, PeerProc, gone, results
-from tests.test_elastic import gen_lines, result_of, wait_steps
-from tests.test_partition import GEN_LINE, JOINED
+from tests.helpers.procs import Cluster, PeerProc, gone
+from tests.helpers.worker_lines import (
+    GEN_LINE,
+    gen_lines,
+    member_of,
+    result_of,
+    results,
+    start_world_of_3,
+    wait_more_steps,
+    wait_world,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,48 +49,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
-
-
-def wait_world(p: PeerProc, size: int, timeout: float, seen: int | None = None) -> float:
-    """Seconds until ``p`` prints a GEN line of a world of ``size`` beyond its first
-    ``seen`` GEN lines (default: those printed so far)."""
-    t0 = time.monotonic()
-    seen = len(gen_lines(p)) if seen is None else seen
-    while time.monotonic() - t0 < timeout:
-        new = gen_lines(p)[seen:]
-        if any(world == size for _, _, world in new):
-            return time.monotonic() - t0
-        try:
-            p.wait_line("GEN", timeout=0.2, after=len(p.lines))
-        except AssertionError:
-            pass
-    raise AssertionError(f"{p.name}: no world of {size} within {timeout} s:\n{p.output()}")
-
-
-def start_world_of_3(*peers: PeerProc) -> list[PeerProc]:
-    """Wait until every peer trains in a world of 3 (under load they may register apart
-    and form smaller worlds first); return them by rank (rank 0, the leader, first)."""
-    for p in peers:
-        p.wait_line("GEN", timeout=90)
-        wait_world(p, 3, 90, seen=0)
-    wait_steps(peers[0], 3)
-    gen = max(g for g, _, w in gen_lines(peers[0]) if w == 3)
-    rank = {p.name: r for p in peers for g, r, _ in gen_lines(p) if g == gen}
-    return sorted(peers, key=lambda p: rank[p.name])
-
-
-def member_of(p: PeerProc) -> str:
-    """The member id a worker registered as (its log, at INFO)."""
-    with p.cond:
-        for line in p.lines:
-            if (m := JOINED.search(line)):
-                return m.group(1)
-    raise AssertionError(f"{p.name} did not say which member it is:\n{p.output()}")
+cluster = cluster_fixture(SETTINGS)
 
 
 def test_killed_member_and_killed_leader_are_dropped_long_before_join_timeout(
@@ -93,11 +59,11 @@ def test_killed_member_and_killed_leader_are_dropped_long_before_join_timeout(
     c.signal(signal.SIGKILL)  # a non-leader
     took = wait_world(a, 2, SLOW)
     assert took < FAST, f"world of 2 after {took:.1f} s: the death was not confirmed"
-    wait_steps(b, 3)
+    wait_more_steps(b, 3)
     a.signal(signal.SIGKILL)  # the leader (the oldest member, rank 0)
     took = wait_world(b, 1, SLOW)
     assert took < FAST, f"world of 1 after {took:.1f} s: the leader's death was not confirmed"
-    wait_steps(b, 3)
+    wait_more_steps(b, 3)
     end.touch()
     assert b.wait(180) == 0, b.output()
     r = result_of(b)
@@ -182,8 +148,8 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
         for p in (a, b):  # re-entered: each stopped its first helper
             line = p.wait_line("HELPER", timeout=90)
             assert line.endswith(" ended"), f"{p.name}: {line}\n{p.output()}"
-        wait_steps(a, 3)
-        wait_steps(b, 3)
+        wait_more_steps(a, 3)
+        wait_more_steps(b, 3)
     finally:
         hold.touch()
         for w in dead_peers_children:
@@ -223,8 +189,8 @@ def test_a_dead_peer_s_connections_held_open_by_its_program_do_not_hold_the_othe
         took = wait_world(a, 2, SLOW)
         assert held.keys() <= {p for p in programs if not gone(p)}, "the program must live on"
         assert took < FAST, f"world of 2 after {took:.1f} s: the held connections stalled it"
-        wait_steps(a, 3)
-        wait_steps(b, 3)
+        wait_more_steps(a, 3)
+        wait_more_steps(b, 3)
     finally:
         hold.touch()
     end.touch()
@@ -261,7 +227,7 @@ def test_a_stopped_member_is_not_taken_for_dead(etcd: str, unique_job: str, tmp_
         assert ids["b"] in nxt.generation.roster, "a stopped member was taken for dead"
         wait_world(a, 2, SLOW, seen=0)
         wait_world(b, 2, SLOW, seen=0)
-        wait_steps(a, 3)
+        wait_more_steps(a, 3)
         end.touch()
         for p in (a, b):
             assert p.wait(180) == 0, p.output()

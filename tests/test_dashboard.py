@@ -83,6 +83,7 @@ def page_matches_view(browser: Browser, view: JobView, url: str,
                          + str(browser.evaluate("document.body.innerText"))[:3000])
 
 
+@pytest.mark.slow
 def test_dashboard_lists_members_and_shows_a_kill_as_a_new_generation(
         etcd: str, unique_job: str, tmp_path: Path) -> None:
     env = {**os.environ, "PEER_ELASTIC_ETCD": etcd, "PEER_ELASTIC_JOB": unique_job,

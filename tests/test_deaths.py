@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from dataclasses import replace
 from types import MappingProxyType
 
-from peer_elastic.config import JobSettings
 from peer_elastic.etcd.deaths import (
     Death,
     DeathProber,
@@ -23,29 +23,14 @@ from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
 from peer_elastic.probe_listener import ProbeListener
-from peer_elastic.records import GenerationRecord, MemberRecord, RunRecord
-from tests.test_leader import FakeWrites
+from peer_elastic.records import MemberRecord
+from tests.helpers import views
+from tests.helpers.fakes import FakeWrites
 
 
-def snap(members, roster, ready=(), broken=(), alive=(), ports=True, **settings) -> ViewSnapshot:  # noqa: ANN001
-    cfg = JobSettings(**{"settle_s": 0.05, "start_settle_s": 1.0, "join_timeout_s": 20.0,
-                         **settings}).resolved()
-    run = RunRecord(run_id="r", lease_id=1)
-    run.config.CopyFrom(cfg)
-    ms = {m: Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=10 + i,
-                                 net_address="127.0.0.1" if ports else "",
-                                 probe_port=5000 + i if ports else 0), i + 1, 1)
-          for i, m in enumerate(members)}
-    return ViewSnapshot(
-        revision=1, version=1, run=run, run_mod_revision=1,
-        members=MappingProxyType(ms), by_age=tuple(ms.values()),
-        generation=GenerationRecord(number=3, roster=list(roster)), generation_mod_revision=1,
-        ready=MappingProxyType({3: frozenset(ready)}),
-        broken=MappingProxyType({3: MappingProxyType({b: "" for b in broken})} if broken else {}),
-        alive=MappingProxyType({3: frozenset(alive)}),
-        drains=frozenset(), blacklist=MappingProxyType({}), failures=MappingProxyType({}),
-        progress=None, done=None, membership_changed_at=0.0, departures=(),
-    )
+def snap(members, roster, **kw) -> ViewSnapshot:  # noqa: ANN001, ANN003
+    """Generation 3 of ``roster``, its members on probe ports, a 20 s join timeout."""
+    return views.snap(members, (3, roster), **{"ports": True, "join_timeout_s": 20.0, **kw})
 
 
 ALL = ["a-1", "b-1", "c-1", "d-1"]
@@ -99,8 +84,7 @@ def test_a_loopback_address_is_probed_only_from_a_loopback_address() -> None:
         remote[m] = Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=1,
                                         net_address=addr, probe_port=5000),
                            s.members[m].create_revision, 1)
-    s = ViewSnapshot(**{**s.__dict__, "members": MappingProxyType(remote),
-                        "by_age": tuple(remote.values())})
+    s = replace(s, members=MappingProxyType(remote), by_age=tuple(remote.values()))
     assert probe_targets(s, "a-1", {}) == []
     assert [t.member_id for t in probe_targets(snap(ALL, ALL, ready=["a-1"]), "a-1", {})] \
         == ["b-1", "c-1", "d-1"]  # all on 127.0.0.1: one host

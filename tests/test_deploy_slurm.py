@@ -28,11 +28,11 @@ from peer_elastic.etcd_server import find_etcd_binary, free_port
 from peer_elastic.netaddr import interface_addresses
 from peer_elastic.records import MemberRecord, decode
 from tests.helpers.ci import running_in_ci
+from tests.helpers.multihost import SETTINGS as MULTIHOST_SETTINGS
 from tests.helpers.procs import PeerProc
 from tests.helpers.slurm import SlurmCluster, wait_for
 from tests.helpers.slurm import unavailable_reason as slurm_unavailable
-from tests.test_multihost import SETTINGS as MULTIHOST_SETTINGS
-from tests.test_partition import GEN_LINE, STEP_LINE
+from tests.helpers.worker_lines import GEN_LINE, STEP_LINE
 
 SBATCH = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "peer-elastic.sbatch"
 

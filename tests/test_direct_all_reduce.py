@@ -38,6 +38,7 @@ def _reduce_all(rank: int, world: int, outdir: Path) -> None:
     (outdir / f"{rank}.json").write_text(json.dumps(got))
 
 
+@pytest.mark.slow
 def test_direct_all_reduce_gives_what_dist_all_reduce_gives(tmp_path: Path) -> None:
     run_world(_reduce_all, WORLD, tmp_path)
     for rank in range(WORLD):

@@ -18,13 +18,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from peer_elastic.durable.layout import SnapshotDir
-from tests.helpers.procs import Cluster, PeerProc, results
+from tests.helpers.cli import cli
+from tests.helpers.cluster_fixture import cluster_fixture
+from tests.helpers.procs import Cluster, PeerProc, wait_until
+from tests.helpers.worker_lines import results, starts
 
 pytestmark = pytest.mark.slow
 
@@ -40,26 +42,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str, tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, PEER_ELASTIC_SNAPSHOT_DIR=tmp_path / "snaps", **SETTINGS)
-    yield c
-    c.close()
-
-
-def wait_for(predicate, timeout: float, what: str, peers: list[PeerProc]) -> None:  # type: ignore[no-untyped-def]
-    """Poll a condition on files (bounded); fail with the peers' output."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline or all(p.proc.poll() is not None for p in peers):
-            raise AssertionError(f"no {what}:\n" + "\n".join(p.output() for p in peers))
-        time.sleep(0.1)
-
-
-def start_lines(p: PeerProc) -> list[tuple[int, int, int]]:
-    with p.cond:
-        return [tuple(map(int, line.split()[1:])) for line in p.lines
-                if line.startswith("START ")]  # type: ignore[misc]
+cluster = cluster_fixture(SETTINGS, snapshots=True)
 
 
 def kill_all_after_a_snapshot(cluster: Cluster, n: int, directory: SnapshotDir) -> int:
@@ -67,7 +50,7 @@ def kill_all_after_a_snapshot(cluster: Cluster, n: int, directory: SnapshotDir) 
     Returns the commits of the newest snapshot written."""
     peers = cluster.start(n)
     peers[0].wait_line("GEN", timeout=90)
-    wait_for(lambda: len(directory.names()) >= 2, 90, "second snapshot", peers)
+    wait_until(lambda: len(directory.names()) >= 2, 90, "second snapshot", peers)
     newest = directory.newest_valid()
     assert newest is not None
     peers[0].wait_line("STEP", timeout=60, after=len(peers[0].lines))  # work after it
@@ -123,7 +106,7 @@ def test_kill_every_peer_then_resume(cluster: Cluster, tmp_path: Path, unique_jo
     peers = cluster.start(after)
     result = finish(peers)
     assert result["world"] == after
-    firsts = [start_lines(p)[0] for p in peers if start_lines(p)]
+    firsts = [starts(p)[0] for p in peers if starts(p)]
     # The restarted job's first state is that of the newest valid snapshot: nobody wrote a
     # newer one, everyone was dead.
     assert min(s[2] for s in firsts) == expected > 0, (firsts, expected)
@@ -132,21 +115,14 @@ def test_kill_every_peer_then_resume(cluster: Cluster, tmp_path: Path, unique_jo
     assert ("cannot be loaded, trying an older one" in out) == corrupt
 
 
-def cli(etcd: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "peer_elastic.cli", *args, "--etcd", etcd],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
-
-
 def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
         cluster: Cluster, tmp_path: Path, unique_job: str, etcd: str) -> None:
     directory = SnapshotDir(tmp_path / "snaps", unique_job)
     end = tmp_path / "end"  # long enough never to finish by itself; ended through this file
     cluster.env.update(WORKER_EPOCHS="30", WORKER_END_FILE=str(end))
     peers = cluster.start(2, PEER_ELASTIC_SNAPSHOT_EVERY=300)  # only the final one
-    wait_for(lambda: any(line.startswith("STEP 1 ") for line in peers[0].lines), 120,
-             "epoch 1", peers)
+    wait_until(lambda: any(line.startswith("STEP 1 ") for line in peers[0].lines), 120,
+               "epoch 1", peers)
     assert directory.names() == []
     asked = time.time()
     assert "asked all 2 members" in cli(etcd, "drain", "--all", "--job", unique_job)
@@ -166,7 +142,7 @@ def test_drain_all_writes_a_final_snapshot_and_a_restart_resumes_from_it(
     assert status["snapshot"]["name"] == final.id.name
     end_after_resumed_epoch(again[0], end)
     result = finish(again)
-    firsts = [start_lines(p)[0] for p in again if start_lines(p)]
+    firsts = [starts(p)[0] for p in again if starts(p)]
     # Nothing lost: the restart begins exactly where the drained job stopped.
     assert min(s[2] for s in firsts) == final.id.commits
     assert result["epochs"] > final.epoch
@@ -207,7 +183,7 @@ def test_sigterm_of_the_last_peer_writes_a_final_snapshot(cluster: Cluster, tmp_
     (again,) = cluster.start(1)
     end_after_resumed_epoch(again, end)
     finish([again])
-    assert start_lines(again)[0][2] == final.id.commits
+    assert starts(again)[0][2] == final.id.commits
 
 
 def test_a_full_disk_does_not_stop_training(etcd: str, unique_job: str, tmp_path: Path) -> None:

@@ -258,6 +258,7 @@ def _newer_copy(directory: SnapshotDir, sid: SnapshotId, newer: SnapshotId) -> P
 
 # --- tests -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_in_the_background_into_one_complete_snapshot(
         fsdp3: Path) -> None:
     directory = SnapshotDir(fsdp3 / "snapshots", JOB)
@@ -275,6 +276,7 @@ def test_every_rank_writes_its_shards_in_the_background_into_one_complete_snapsh
     assert not torch.equal(ref["first"]["model/0.weight"], ref["second"]["model/0.weight"])
 
 
+@pytest.mark.slow
 def test_a_snapshot_written_at_3_loads_at_2_bit_identically(fsdp3: Path, tmp_path: Path
                                                              ) -> None:
     out = _copy(fsdp3, tmp_path)
@@ -293,6 +295,7 @@ def test_a_snapshot_written_at_3_loads_at_2_bit_identically(fsdp3: Path, tmp_pat
     assert REPLICATED in directory.names()  # whole, only of the other kind: not set aside
 
 
+@pytest.mark.slow
 def test_a_snapshot_written_at_3_loads_at_4_bit_identically(fsdp3: Path, tmp_path: Path
                                                              ) -> None:
     out = _copy(fsdp3, tmp_path)
@@ -308,6 +311,7 @@ def test_an_hsdp_2x2_snapshot_loads_into_fsdp_at_3_bit_identically(hsdp4: Path,
     run_world(functools.partial(_load, hsdp=False, expect_corrupt=False), 3, out)
 
 
+@pytest.mark.slow
 def test_an_incomplete_sharded_snapshot_is_ignored(fsdp3: Path, tmp_path: Path) -> None:
     out = _copy(fsdp3, tmp_path)
     directory = SnapshotDir(out / "snapshots", JOB)

@@ -17,18 +17,12 @@ import torch
 
 from peer_elastic.durable.layout import SnapshotDir
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter, Staging
-from tests.helpers.procs import Cluster, results
-from tests.test_durable import Listener, make_state
+from tests.helpers.durable import Listener, make_state
+from tests.helpers.fakes import FakeClock
+from tests.helpers.procs import Cluster
+from tests.helpers.worker_lines import results
 
 INFO = SnapshotInfo("r1-abc", 3, 2)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("error", [MemoryError("no memory"),

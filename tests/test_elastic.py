@@ -12,12 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, callback_digests
-from tests.test_partition import GEN_LINE
+from tests.helpers.cluster_fixture import cluster_fixture
+from tests.helpers.procs import Cluster, assert_exactly_once
+from tests.helpers.worker_lines import (
+    callback_digests,
+    gen_lines,
+    result_of,
+    starts,
+    wait_more_steps,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,39 +37,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
-
-
-def result_of(p: PeerProc) -> dict:
-    return json.loads(p.wait_line("RESULT", timeout=5).split(" ", 1)[1])
-
-
-def gen_lines(p: PeerProc) -> list[tuple[int, int, int]]:
-    with p.cond:
-        return [tuple(map(int, m.groups())) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
-
-
-def step_count(p: PeerProc) -> int:
-    with p.cond:
-        return sum(1 for line in p.lines if line.startswith("STEP "))
-
-
-def wait_steps(p: PeerProc, n: int, timeout: float = 90) -> None:
-    """Wait until ``p`` printed ``n`` more STEP lines than it has now."""
-    target = step_count(p) + n
-    for _ in range(int(timeout * 2)):
-        if step_count(p) >= target:
-            return
-        try:
-            p.wait_line("STEP", timeout=0.5, after=len(p.lines))
-        except AssertionError:
-            if p.proc.poll() is not None:
-                raise
-    raise AssertionError(f"{p.name} made no progress:\n{p.output()}")
+cluster = cluster_fixture(SETTINGS)
 
 
 def test_join_leave_and_crashes_between_fast_checks_count_every_sample_once(cluster: Cluster,
@@ -81,20 +55,20 @@ def test_join_leave_and_crashes_between_fast_checks_count_every_sample_once(clus
                WORKER_SAMPLES=240, WORKER_DDP=1, WORKER_CHECK_EVERY=1, WORKER_COMMIT_EVERY=10)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     (c,) = cluster.start(1, **env)  # join mid-epoch
     c.wait_line("GEN", timeout=90)
-    wait_steps(c, 3)
+    wait_more_steps(c, 3)
     (d,) = cluster.start(1, **env)
     d.wait_line("GEN", timeout=90)
-    wait_steps(d, 2)
+    wait_more_steps(d, 2)
     b.signal(signal.SIGTERM)  # graceful leave
     assert b.wait(60) == 0, b.output()
-    wait_steps(c, 3)
+    wait_more_steps(c, 3)
     c.signal(signal.SIGKILL)  # crash of a non-leader
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     a.signal(signal.SIGKILL)  # crash of the leader (the oldest member, rank 0)
-    wait_steps(d, 3)
+    wait_more_steps(d, 3)
     end.touch()
     assert d.wait(180) == 0, d.output()
     r = result_of(d)
@@ -126,13 +100,13 @@ def test_standby_is_promoted_and_a_stalled_peer_rejoins(cluster: Cluster) -> Non
                PEER_ELASTIC_COLLECTIVE_TIMEOUT=6)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
-    wait_steps(a, 2)
+    wait_more_steps(a, 2)
     (s,) = cluster.start(1, **env)
-    wait_steps(a, 6)
+    wait_more_steps(a, 6)
     assert not gen_lines(s), "a standby must not train"
     b.signal(signal.SIGSTOP)
     s.wait_line("GEN", timeout=90)  # promoted
-    wait_steps(s, 3)
+    wait_more_steps(s, 3)
     b.signal(signal.SIGCONT)  # it lost its lease: it must stop and rejoin, not corrupt
     for p in (a, b, s):
         code = p.wait(240)
@@ -149,10 +123,10 @@ def test_reset_callbacks_see_world_size_and_reset_limit_stops_the_job(cluster: C
                PEER_ELASTIC_RESET_LIMIT=1, WORKER_EPOCHS=50)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
-    wait_steps(a, 2)
+    wait_more_steps(a, 2)
     b.signal(signal.SIGTERM)  # reset 1: allowed
     assert b.wait(60) == 0
-    wait_steps(a, 2)
+    wait_more_steps(a, 2)
     (c,) = cluster.start(1, **env)  # reset 2: over the limit
     assert a.wait(90) == 4  # EXIT_JOB_FAILED: systemd must not restart it
     assert "reset limit" in a.output() and "Traceback" not in a.output()
@@ -168,10 +142,10 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
                WORKER_CHECK_EVERY=1 if hook else 0)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     (c,) = cluster.start(1, **env)  # join: everyone rebuilds DDP for world 3
     c.wait_line("GEN", timeout=90)
-    wait_steps(c, 3)
+    wait_more_steps(c, 3)
     b.signal(signal.SIGKILL)  # crash: rebuild for world 2, after a rollback
     for p in (a, c):
         assert p.wait(180) == 0, p.output()
@@ -197,7 +171,7 @@ def test_a_burst_of_sigterms_is_one_graceful_leave(cluster: Cluster) -> None:
     # on alone and the job ends exactly once.
     a, b = cluster.start(2, WORKER_EPOCHS=1)
     a.wait_line("GEN")
-    wait_steps(a, 2)
+    wait_more_steps(a, 2)
     for _ in range(200):  # over about a second: the leave ends meanwhile, and the rest of
         b.signal(signal.SIGTERM)  # the burst must not kill the peer on its way out
         time.sleep(0.005)
@@ -209,7 +183,7 @@ def test_sigterm_below_min_np_lets_the_leaver_go_and_the_rest_wait(cluster: Clus
     env = dict(PEER_ELASTIC_MIN_NP=2, PEER_ELASTIC_ELASTIC_TIMEOUT=4, WORKER_EPOCHS=50)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
-    wait_steps(a, 2)
+    wait_more_steps(a, 2)
     b.signal(signal.SIGTERM)
     assert b.wait(60) == 0, b.output()  # it leaves, although that breaks min_np
     assert a.wait(60) == 4, a.output()  # the other waits, then fails on the elastic timeout
@@ -223,9 +197,9 @@ def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: 
     env = dict(WORKER_EPOCHS=2, WORKER_SET_EPOCH_AT_START=1, WORKER_COMMIT_EVERY=3)
     a, b, c = cluster.start(3, **env)
     a.wait_line("GEN", timeout=90)
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     c.signal(signal.SIGKILL)  # mid-epoch: a rollback to the last commit
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     (d,) = cluster.start(1, **env)  # mid-epoch: a reset that keeps everything
     d.wait_line("GEN", timeout=90)
     for p in (a, b, d):
@@ -233,5 +207,4 @@ def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: 
     r = result_of(a)
     assert r["exact"] and r["identical"], r
     # Re-entered in the middle of an epoch with progress held (the trap this guards).
-    assert any(int(line.split()[2]) > 0 for line in a.lines if line.startswith("START ")), \
-        a.output()
+    assert any(processed > 0 for _, processed, _ in starts(a)), a.output()

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import pytest
 
 from peer_elastic.errors import EtcdAuthError, EtcdError
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.etcd_server import EtcdServer, find_etcd_binary
-
-
-def etcdctl(server: EtcdServer, *args: str, user: str | None = None) -> str:
-    ctl = os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
-    cmd = [ctl if os.path.exists(ctl) else "etcdctl", f"--endpoints={server.endpoint}", *args]
-    if user:
-        cmd.insert(2, f"--user={user}")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+from peer_elastic.etcd_server import EtcdServer
+from tests.helpers.etcdctl import etcdctl
 
 
 @pytest.fixture

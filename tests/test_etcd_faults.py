@@ -115,6 +115,7 @@ def test_peers_survive_etcd_restart_without_spurious_generation(fresh_etcd, uniq
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_peer_keeps_lease_and_watch_when_its_etcd_member_dies(etcd_cluster, unique_job) -> None:
     eps = etcd_cluster.endpoint_string
     # The default lease TTL: losing the etcd leader costs about 2 s of unavailability

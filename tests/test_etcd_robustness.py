@@ -34,8 +34,8 @@ from peer_elastic.records import (
     decode,
     encode,
 )
+from tests.helpers.etcdctl import etcdctl
 from tests.helpers.procs import Cluster
-from tests.test_etcd_errors import etcdctl
 
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0, min_np=1)
 
@@ -184,6 +184,7 @@ def test_finish_recognises_its_own_done_record_after_a_lost_answer(clients, coor
 # --- item 5: done must not rest on one best-effort write by rank 0 -------------------------
 
 
+@pytest.mark.slow
 def test_finish_waits_out_an_etcd_outage(fresh_etcd: EtcdServer, unique_job: str) -> None:
     client = EtcdClient(fresh_etcd.endpoint, retry_budget_s=1.0, timeout_s=0.5)
     c = Coordinator(client, unique_job, JobSettings(**{**FAST, "lease_ttl_s": 10}))
@@ -420,6 +421,7 @@ def test_a_member_record_with_a_slash_in_its_host_is_ignored(clients, coords,
     observer.revoke(lease)
 
 
+@pytest.mark.slow
 def test_close_during_a_rejoin_registers_no_ghost_member(clients, unique_job) -> None:
     client, observer = clients(), clients()
     keeper = LeaseKeeper(observer)  # shared, as in one process: it would keep a ghost alive

@@ -414,6 +414,7 @@ def test_client_cert_auth_without_health_cert_is_rejected(tmp_path: Path) -> Non
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_cluster_survives_killing_the_leader() -> None:
     with EtcdCluster(3) as cluster:
         assert len(cluster.members) == 3

@@ -69,6 +69,7 @@ def test_a_closed_client_leaves_no_watch_thread(etcd: str, unique_job: str) -> N
     assert not watch_thread.is_alive() and client.watch_threads == []
 
 
+@pytest.mark.slow
 def test_real_peers_leave_no_thread_running_at_exit(etcd: str, unique_job: str) -> None:
     # Real etcd, two real peers (gloo), a short run, twice: each peer's exit finds no thread
     # of peer-elastic and no etcd watch thread running, and each exits at once.

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
 
 import pytest
 
-from peer_elastic.config import JobSettings
 from peer_elastic.errors import (
     ElasticTimeout,
     EtcdRequestTooLarge,
@@ -17,82 +15,15 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.done import done_error
 from peer_elastic.etcd.leader import Leader
-from peer_elastic.etcd.view import Departure, Member, ViewSnapshot
+from peer_elastic.etcd.view import Departure
 from peer_elastic.etcd.writer import Written
 from peer_elastic.records import (
     DoneCause,
     DoneRecord,
-    GenerationRecord,
     HostRecord,
-    MemberRecord,
-    RunRecord,
 )
-
-
-class FakeWrites:
-    def __init__(self, member_id: str, written: Written = Written.WRITTEN) -> None:
-        self.member_id = member_id
-        self.written = written
-        self.calls: list[tuple] = []
-
-    settled_at = 0.0  # what etcd_settled_at says
-    recheck_reveals: float | None = None  # what a fresh read of etcd would make it say
-    rechecks = 0
-
-    def etcd_settled_at(self) -> float:
-        return self.settled_at
-
-    def recheck_etcd_settled_at(self) -> float:
-        self.rechecks += 1
-        if self.recheck_reveals is not None:
-            self.settled_at = self.recheck_reveals
-        return self.settled_at
-
-    def event(self, kind, detail="", member_id=None, generation=0):  # noqa: ANN001, ANN201
-        self.calls.append(("event", kind))
-
-    def prune_events(self, keep: int) -> int:
-        self.calls.append(("prune", keep))
-        return 0
-
-    def write_done(self, success, reason, cause, generation, timeout_s=None):  # noqa: ANN001, ANN201
-        self.calls.append(("done", success, cause))
-        return True
-
-    def count_host_failure(self, host, member_id, count, mod_revision):  # noqa: ANN001, ANN201
-        self.calls.append(("failure", host, count))
-
-    def blacklist_host(self, host, member_id, count, cooldown_s):  # noqa: ANN001, ANN201
-        self.calls.append(("blacklist", host, count))
-
-    def write_generation(self, snap, plan, detected_unix, silent=None):  # noqa: ANN001, ANN201
-        if isinstance(self.written, Exception):
-            raise self.written
-        self.calls.append(("generation", plan.number, plan.roster, detected_unix))
-        return self.written
-
-    def revoke(self, lease_id: int) -> None:
-        self.calls.append(("revoke", lease_id))
-
-
-def snap(members, gen=None, ready=(), changed_at=0.0, departures=(), failures=None,
-         event_count=0, **settings) -> ViewSnapshot:  # noqa: ANN001
-    cfg = JobSettings(**{"settle_s": 0.05, "start_settle_s": 1.0, **settings}).resolved()
-    run = RunRecord(run_id="r", lease_id=1)
-    run.config.CopyFrom(cfg)
-    ms = {m: Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=10 + i), i + 1, 1)
-          for i, m in enumerate(members)}
-    g = None if gen is None else GenerationRecord(number=gen[0], roster=list(gen[1]))
-    n = gen[0] if gen else 0
-    return ViewSnapshot(
-        revision=1, version=1, run=run, run_mod_revision=1,
-        members=MappingProxyType(ms), by_age=tuple(ms.values()), generation=g,
-        generation_mod_revision=1 if g else 0, ready=MappingProxyType({n: frozenset(ready)}),
-        broken=MappingProxyType({}), drains=frozenset(), blacklist=MappingProxyType({}),
-        failures=MappingProxyType(failures or {}), progress=None, done=None,
-        membership_changed_at=changed_at, departures=tuple(departures),
-        event_count=event_count,
-    )
+from tests.helpers.fakes import FakeWrites
+from tests.helpers.views import snap
 
 
 def leader(member_id: str = "a-1", **kw) -> tuple[Leader, FakeWrites]:  # noqa: ANN003

@@ -9,14 +9,12 @@ collective.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,18 +35,11 @@ from peer_elastic.liveness import (
 )
 from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
 from peer_elastic.torch import collectives, direct_all_reduce
-from tests.helpers.procs import Cluster, PeerProc, results
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, s: float) -> None:
-        self.now += s
+from tests.helpers import views
+from tests.helpers.cluster_fixture import cluster_fixture
+from tests.helpers.fakes import FakeClock
+from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.worker_lines import results
 
 
 class Rig:
@@ -404,33 +395,18 @@ def test_fence_records_are_validated() -> None:
 
 def test_the_next_generation_names_a_fenced_member_hung_and_never_readmits_it() -> None:
     from peer_elastic.etcd.roster import GenerationPlan, plan_next_generation
-    from peer_elastic.etcd.view import ViewSnapshot
-    from peer_elastic.records import GenerationRecord, MemberRecord
 
-    def member(i: int):  # noqa: ANN202
-        from peer_elastic.etcd.view import Member
-        return Member(MemberRecord(member_id=f"m{i}", host=f"h{i}", lease_id=i), i, i)
-
-    live = {f"m{i}": member(i) for i in (1, 3)}
     fence = FenceRecord(member_id="m2", cause=FenceCause.FENCE_CAUSE_HUNG)
-    snap = ViewSnapshot(
-        revision=9, version=9, run=None, run_mod_revision=1, members=live,
-        by_age=tuple(live.values()),
-        generation=GenerationRecord(number=4, roster=["m1", "m2", "m3"]),
-        generation_mod_revision=5, ready={}, broken={}, drains=frozenset(), blacklist={},
-        failures={}, progress=None, done=None, membership_changed_at=0.0, departures=(),
-        fenced={"m2": fence})
-    cfg = JobSettings().resolved()
-    plan = plan_next_generation(snap, cfg, {}, now=100.0)
+    roster = ["m1", "m2", "m3"]
+    snap = views.snap(["m1", "m3"], (4, roster), fenced={"m2": fence})
+    plan = plan_next_generation(snap, JobSettings().resolved(), {}, now=100.0)
     assert isinstance(plan, GenerationPlan)
     assert plan.roster == ("m1", "m3") and plan.removed == ("m2",)
     assert "hung" in plan.reason and "m2" in plan.reason and "left" not in plan.reason
     assert plan.causes == (GenerationCause.GENERATION_CAUSE_HUNG,)
     # A fenced member whose key survived (etcd trouble during the fence) is never eligible.
-    with_key = dict(live, m2=member(2))
-    snap2 = dataclasses.replace(snap, members=with_key, by_age=tuple(
-        sorted(with_key.values(), key=lambda m: m.create_revision)))
-    assert [m.id for m in snap2.eligible()] == ["m1", "m3"]
+    with_key = views.snap(roster, (4, roster), fenced={"m2": fence})
+    assert [m.id for m in with_key.eligible()] == ["m1", "m3"]
 
 
 def test_hang_timeout_has_a_lower_bound_and_first_step_a_default() -> None:
@@ -499,11 +475,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
+cluster = cluster_fixture(SETTINGS)
 
 
 def events_of(cluster: Cluster) -> list[dict]:

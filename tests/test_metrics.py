@@ -442,6 +442,7 @@ WORKER = textwrap.dedent("""
 
 @needs_prom
 @pytest.mark.skipif(not hooked, reason="metrics hooks not yet in peer_elastic.elastic.Peer")
+@pytest.mark.slow
 def test_single_peer_job_is_scraped_end_to_end(etcd: str, unique_job: str, tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

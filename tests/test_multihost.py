@@ -27,24 +27,14 @@ from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.records import MemberRecord, decode
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.hosts import Host, Hosts, hosts_or_skip
-from tests.helpers.procs import PeerProc, assert_exactly_once, results
-from tests.test_partition import gens, wait_gen, wait_joined, wait_steps
+from tests.helpers.multihost import SETTINGS
+from tests.helpers.procs import PeerProc, assert_exactly_once
+from tests.helpers.worker_lines import gens, results, wait_gen, wait_joined, wait_steps_in
 
 pytestmark = pytest.mark.slow
 
 HINTS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PEER_ELASTIC_ADDR", "PEER_ELASTIC_IFNAME",
          "PEER_ELASTIC_HOST", "TP_SOCKET_IFNAME")
-SETTINGS = {
-    "PEER_ELASTIC_LEASE_TTL": 3,
-    "PEER_ELASTIC_JOIN_TIMEOUT": 1.5,
-    "PEER_ELASTIC_START_SETTLE": 1.0,
-    "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
-    "PEER_ELASTIC_MIN_NP": 2,
-    "PEER_ELASTIC_LOG_LEVEL": "INFO",
-    "WORKER_EPOCHS": 80,
-    "WORKER_SAMPLES": 480,
-    "WORKER_STEP_S": 0.03,
-}
 
 
 @pytest.fixture
@@ -105,7 +95,7 @@ def test_hosts_without_hints_train_through_kills_joins_sigterm_and_a_partition(
         g = 0
         for p in ps:
             _, g = wait_gen(p, size, after=marks.get(p.name, 0), timeout=timeout)
-        wait_steps(ps[0], 2, g, timeout=timeout)
+        wait_steps_in(ps[0], 2, g, timeout=timeout)
         return g
 
     try:
@@ -205,7 +195,7 @@ def test_ipv6_hosts_and_a_peer_at_an_unreachable_address_is_named(
             b = job.start(h2)
             wait_gen(a, 2, timeout=90)
             g = wait_gen(b, 2, timeout=30)[1]
-            wait_steps(a, 2, g)
+            wait_steps_in(a, 2, g)
             with EtcdClient(server.endpoint) as client:
                 kvs, _ = client.get_prefix(job_prefix(unique_job))
             recs = {r.host: r.net_address for r in (decode(MemberRecord, kv.value, kv.key)
@@ -228,7 +218,7 @@ def test_ipv6_hosts_and_a_peer_at_an_unreachable_address_is_named(
                 assert any("ERROR" in line and "host3" in line and "[::1]" in line
                            and "PEER_ELASTIC_ADDR" in line for line in a.lines[mark:]), a.output()
             g_after = wait_gen(a, 2, after=mark, timeout=60)[1]
-            wait_steps(a, 2, g_after)
+            wait_steps_in(a, 2, g_after)
 
             with open(end_file, "w"):
                 pass

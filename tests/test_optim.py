@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -31,6 +32,7 @@ def _average(rank: int, world: int, out: Path) -> None:
     }))
 
 
+@pytest.mark.slow
 def test_gradients_are_averaged_over_the_group(tmp_path: Path) -> None:
     run_world(_average, 2, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
@@ -83,6 +85,7 @@ def _gradients_after_step(rank: int, world: int, out: Path) -> None:
     (out / f"{rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_gradients_after_the_step_are_the_averages_in_place_or_as_views(tmp_path: Path) -> None:
     run_world(_gradients_after_step, 2, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))

@@ -162,6 +162,7 @@ print("codes", dict(codes), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_children_started_with_a_preexec_fn_beside_busy_grpc_all_start(
         etcd: str, unique_job: str) -> None:
     """``peer-elastic run`` starts its peers with a ``preexec_fn`` (the parent-death signal)
@@ -177,6 +178,7 @@ def test_children_started_with_a_preexec_fn_beside_busy_grpc_all_start(
     assert "codes {0: 600}" in out.stdout, out.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
         unique_job: str) -> None:
     """``peer-elastic run --standalone`` SIGKILLed mid-training: its etcd shuts down and its
@@ -214,6 +216,7 @@ def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_s_peers_leave_a_shared_etcd_gracefully(
         etcd: str, unique_job: str) -> None:
     """``peer-elastic run --etcd`` SIGKILLed: its peers get SIGTERM and leave the job (whose

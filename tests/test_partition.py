@@ -28,9 +28,8 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -40,10 +39,16 @@ from peer_elastic.testing import EtcdCluster, EtcdTestServer
 from tests.helpers.hosts import hosts_or_skip
 from tests.helpers.netns import Netns, NetnsUnavailable, tcp_connections, unavailable_reason
 from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once
+from tests.helpers.worker_lines import (
+    gens,
+    steps,
+    wait_for,
+    wait_gen,
+    wait_joined,
+    wait_steps_in,
+)
 
 pytestmark = pytest.mark.slow
-
-T = TypeVar("T")
 
 SETTINGS = {
     "PEER_ELASTIC_LEASE_TTL": 3,
@@ -59,10 +64,6 @@ SETTINGS = {
     "WORKER_STEP_S": 0.03,
 }
 HOLD_STEPS = 10  # STEP lines the world of 2 prints while the cut-off peer must stay quiet
-# Whole lines only: a result line another write broke into is skipped, never misread.
-GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
-STEP_LINE = re.compile(r"STEP (\d+) (\d+) (\d+)")
-JOINED = re.compile(r"joined job \S+ run \S+ as (\S+) \(lease ([0-9a-f]+)\)")
 LOST_LEASE = re.compile(r"lost its lease|after losing its lease")
 
 
@@ -101,60 +102,6 @@ def cluster(etcd_on_link: EtcdTestServer, unique_job: str, tmp_path: Path) -> It
         c.close()  # SIGKILLs every peer still running, the namespace's one included
 
 
-# -- reading peers' output (bounded waits on output lines, never sleeps) --------------------------
-
-
-def wait_for(p: PeerProc, find: Callable[[], T | None], what: str, timeout: float = 90) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = find()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline or p.proc.poll() is not None:
-            raise AssertionError(f"{p.name}: {what}; output:\n{p.output()}")
-        with p.cond:
-            p.cond.wait(0.5)
-
-
-def gens(p: PeerProc, after: int = 0) -> list[tuple[int, int, int, int]]:
-    """(line index, generation, rank, size) of every GEN line at index >= ``after``."""
-    with p.cond:
-        return [(i, *map(int, m.groups())) for i, line in enumerate(p.lines)
-                if i >= after and (m := GEN_LINE.fullmatch(line))]
-
-
-def steps(p: PeerProc, generation: int | None = None) -> int:
-    """How many STEP lines ``p`` printed (in ``generation``, if given)."""
-    with p.cond:
-        return sum(1 for line in p.lines if (m := STEP_LINE.fullmatch(line))
-                   and (generation is None or int(m.group(3)) == generation))
-
-
-def wait_gen(p: PeerProc, size: int, after: int = 0, timeout: float = 90) -> tuple[int, int]:
-    """Wait for a GEN line of a world of ``size`` at index >= ``after``: (index, generation)."""
-    return wait_for(p, lambda: next(((i, g) for i, g, _, s in gens(p, after) if s == size), None),
-                    f"no GEN of a world of {size} after line {after}", timeout)
-
-
-def wait_steps(p: PeerProc, n: int, generation: int, timeout: float = 90) -> None:
-    """Wait until ``p`` printed ``n`` STEP lines in ``generation``."""
-    wait_for(p, lambda: True if steps(p, generation) >= n else None,
-             f"not {n} steps in generation {generation}", timeout)
-
-
-def wait_joined(p: PeerProc, after: int = 0, timeout: float = 90) -> tuple[str, int]:
-    """Wait for the INFO line saying ``p`` registered: (member id, lease id)."""
-    def find() -> tuple[str, int] | None:
-        with p.cond:
-            for line in p.lines[after:]:
-                m = JOINED.search(line)
-                if m:
-                    return m.group(1), int(m.group(2), 16)
-        return None
-
-    return wait_for(p, find, f"no 'joined job' line after line {after}", timeout)
-
-
 def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdTestServer) -> PeerProc:
     """An elastic worker inside the namespace: etcd over the etcd link, gloo over the other."""
     env = dict(cluster.env, PEER_ELASTIC_ETCD=f"http://{netns.etcd.host_ip}:{etcd.client_port}",
@@ -187,7 +134,7 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
 
     # 1. A world of 3 trains.
     _, g3 = wait_gen(c, 3)
-    wait_steps(c, 3, g3)
+    wait_steps_in(c, 3, g3)
     rank_c = next(r for _, g, r, _ in gens(c) if g == g3)
     assert (rank_c == 0) == (cut == "leader"), c.output()
     # The wiring is what the test claims: the namespace's peer talks to etcd over the etcd
@@ -209,8 +156,8 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
     t_cut = time.monotonic()
     _, g2 = wait_gen(a, 2, after=marks[a.name], timeout=90)
     wait_gen(b, 2, after=marks[b.name], timeout=30)
-    wait_steps(a, 3, g2)
-    wait_steps(b, 3, g2)
+    wait_steps_in(a, 3, g2)
+    wait_steps_in(b, 3, g2)
     t_reformed = time.monotonic()
     # The cut-off peer lost its lease: etcd has neither the lease nor its member key...
     with EtcdClient(etcd_on_link.endpoint) as client:
@@ -219,7 +166,7 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
         assert not [kv.key for kv in kvs if kv.key.endswith(f"/members/{old_member}")], kvs
     # ...and it stopped training, but not running, while the other two go on.
     quiet_from = steps(c)
-    wait_steps(a, 3 + HOLD_STEPS, g2)
+    wait_steps_in(a, 3 + HOLD_STEPS, g2)
     assert steps(c) == quiet_from, "the cut-off peer went on training:\n" + c.output()
     assert c.proc.poll() is None, "the cut-off peer must stay up to rejoin:\n" + c.output()
     assert g2 not in [g for _, g, _, _ in gens(c)], "the cut-off peer cannot be in the new world"
@@ -236,7 +183,7 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
             c.output()
     new_member, _ = wait_joined(c, after=marks[c.name], timeout=5)
     assert new_member != old_member
-    wait_steps(c, 2, g_rejoin)
+    wait_steps_in(c, 2, g_rejoin)
 
     # 4. The job finishes: every sample once, every rank identical, no process left behind.
     Path(cluster.env["WORKER_END_FILE"]).touch()
@@ -291,7 +238,7 @@ def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
             seen = [len(p.lines) for p in others]
             for p, after in zip(others, seen, strict=True):
                 _, g = wait_gen(p, 2, after=after, timeout=90)
-                wait_steps(p, HOLD_STEPS, g, timeout=60)
+                wait_steps_in(p, HOLD_STEPS, g, timeout=60)
             took = time.monotonic() - cut_at
             print(f"world of 2 trained {took:.1f} s after the cut")
             # The contract: the others train on without the cut-off peer, at worst after the

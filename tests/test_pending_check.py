@@ -84,6 +84,7 @@ def _run(target: Any, store: str, world: int, *args: Any, reports: int | None = 
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_every_rank_gets_the_same_answer_at_the_same_call(tmp_path: Path, world: int) -> None:
     raiser, at = world - 1, 2
     results = _run(_agreement_worker, str(tmp_path / "store"), world, raiser, at)
@@ -125,6 +126,7 @@ def _dying_worker(store_path: str, rank: int, world: int, out: Any) -> None:
         out.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_a_peer_dying_with_an_op_pending_fails_the_next_check(tmp_path: Path) -> None:
     results = _run(_dying_worker, str(tmp_path / "store"), 3, reports=2)
     assert set(results) == {0, 2}, results
@@ -159,6 +161,7 @@ def _max_exchange_worker(store_path: str, rank: int, world: int, out: Any) -> No
         out.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_max_exchange_gives_every_rank_the_elementwise_max(tmp_path: Path) -> None:
     """The per-step protocol's one collective (peer_elastic.torch.max_exchange): written
     through a host view and issued on the process group's own method, it must still give

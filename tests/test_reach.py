@@ -23,7 +23,7 @@ from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.reach import ReachReporter, cut_off
 from peer_elastic.etcd.roster import plan_next_generation
 from peer_elastic.records import GenerationCause, ReachRecord, decode, encode
-from tests.test_roster import cfg, snap
+from tests.helpers.views import cfg, snap
 
 AGE = ["a", "b", "c", "d", "e"]  # oldest first
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 
 from peer_elastic.etcd.coordinator import Assignment
 from peer_elastic.torch.group import FormedGroup, GroupManager
+from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc
 
 # Groups form under max(5, 4 x join timeout) s + 20 ms a rank = 5.06 s here, and then get
@@ -42,11 +42,7 @@ SETTINGS = {
 GROUP_PROC = "tests.helpers.group_proc"
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
+cluster = cluster_fixture(SETTINGS)
 
 
 def sums(p: PeerProc) -> dict[int, int]:

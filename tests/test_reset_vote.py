@@ -113,6 +113,7 @@ def _plain_worker(rank: int, world: int, out: Path) -> None:
     (out / f"plain-{rank}.json").write_text(json.dumps(params))
 
 
+@pytest.mark.slow
 def test_every_rank_takes_the_same_vote_and_gradients_are_unchanged(tmp_path: Path) -> None:
     world = 3
     run_world(_vote_worker, world, tmp_path)
@@ -138,6 +139,7 @@ def _single_bucket_worker(rank: int, world: int, out: Path) -> None:
     (out / f"{rank}.json").write_text(json.dumps({"taken": taken, "p": p.tolist()}))
 
 
+@pytest.mark.slow
 def test_no_carrier_bucket_means_no_vote_on_any_rank(tmp_path: Path) -> None:
     run_world(_single_bucket_worker, 2, tmp_path)
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
@@ -146,6 +148,7 @@ def test_no_carrier_bucket_means_no_vote_on_any_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("averaging", ["DistributedOptimizer", "DDP with pe.allreduce_hook"])
+@pytest.mark.slow
 def test_a_check_after_an_averaging_step_runs_no_collective(
         etcd: str, unique_job: str, averaging: str) -> None:
     """Real etcd, two real peers: 30 steps, a check after each, 30 all-reduces in all (the
@@ -263,6 +266,7 @@ def _ddp_worker(rank: int, world: int, out: Path) -> None:
     (out / f"ddp-{rank}.json").write_text(json.dumps(results))
 
 
+@pytest.mark.slow
 def test_ddp_hook_carries_the_vote_on_every_rank_and_keeps_ddps_gradients(
         tmp_path: Path) -> None:
     world = 4

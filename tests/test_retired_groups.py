@@ -11,6 +11,8 @@ import gc
 import threading
 import time
 
+import pytest
+
 from peer_elastic.torch.retired_groups import RetiredGroups
 
 
@@ -123,6 +125,7 @@ def test_known_groups_are_what_destroy_process_group_destroys() -> None:
     assert [g for g in known_groups() if g is not None] == []
 
 
+@pytest.mark.slow
 def test_a_destructor_ending_during_exit_does_not_abort_the_process(tmp_path) -> None:
     # Real gloo, two processes: the group's destructor is still waiting on a helper thread
     # for its collective when rank 0 returns from main; the collective ends only once rank 0

@@ -4,39 +4,14 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from peer_elastic.config import JobSettings
 from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
-from peer_elastic.etcd.view import Member, ViewSnapshot
+from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.records import (
     GenerationCause,
-    GenerationRecord,
-    HostRecord,
-    MemberRecord,
-    RunRecord,
 )
+from tests.helpers.views import cfg, snap
 
 C = GenerationCause
-
-
-def snap(members, gen=None, ready=(), broken=(), drains=(), blacklist=(), changed_at=0.0):
-    ms = {m: Member(MemberRecord(member_id=m, host=m.split("-")[0], lease_id=1), i + 1, 1)
-          for i, m in enumerate(members)}
-    g = None if gen is None else GenerationRecord(number=gen[0], roster=list(gen[1]))
-    n = gen[0] if gen else 0
-    return ViewSnapshot(
-        revision=1, version=1, run=RunRecord(run_id="r"), run_mod_revision=1,
-        members=MappingProxyType(ms), by_age=tuple(ms.values()), generation=g,
-        generation_mod_revision=1 if g else 0,
-        ready=MappingProxyType({n: frozenset(ready)}),
-        broken=MappingProxyType({n: MappingProxyType({b: "" for b in broken})}),
-        drains=frozenset(drains), blacklist=MappingProxyType({h: HostRecord() for h in blacklist}),
-        failures=MappingProxyType({}), progress=None, done=None,
-        membership_changed_at=changed_at, departures=(),
-    )
-
-
-def cfg(**kw):
-    return JobSettings(**{"settle_s": 0.05, "start_settle_s": 1.0, **kw}).resolved()
 
 
 def test_first_generation_waits_for_stragglers_unless_full() -> None:

@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = 4
 LINE = re.compile(r"^\[peer(\d)(?: rank(\d)| standby)?\]: (out|err) r(\d) "
@@ -19,6 +21,7 @@ def _not_chatter(data: bytes) -> str:
     return "\n".join(x for x in data.decode(errors="replace").splitlines() if "END" not in x)
 
 
+@pytest.mark.slow
 def test_run_prefixes_whole_lines_of_chatty_peers(etcd: str, unique_job: str,
                                                   tmp_path: Path) -> None:
     logs = tmp_path / "logs"

@@ -351,6 +351,7 @@ def _merge_worker(rank: int, world: int, outdir: Path) -> None:
     torch.save(out, outdir / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_merge_and_sync_across_two_processes(tmp_path: Path) -> None:
     _run_world(_merge_worker, 2, tmp_path)
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in range(2)]

@@ -16,13 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.procs import Cluster, PeerProc, callback_digests
-from tests.test_durable_resume import cli
-from tests.test_elastic import wait_steps
+from tests.helpers.cli import cli
+from tests.helpers.cluster_fixture import cluster_fixture
+from tests.helpers.procs import Cluster, PeerProc, wait_until
+from tests.helpers.worker_lines import callback_digests, wait_more_steps
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def cluster(etcd: str, unique_job: str) -> Iterator[Cluster]:
-    c = Cluster(etcd, unique_job, **SETTINGS)
-    yield c
-    c.close()
+cluster = cluster_fixture(SETTINGS)
 
 
 def result_of(peers: list[PeerProc]) -> dict:
@@ -115,7 +111,7 @@ def test_a_crashed_peer_s_shard_comes_from_its_copy_and_the_state_is_the_commit(
     a, b, c = peers
     for p in peers:
         p.wait_line("GEN", timeout=90)
-    wait_steps(a, 4)
+    wait_more_steps(a, 4)
     b.signal(signal.SIGKILL)
     finish([a, c])
     sizes = [size for _, size, _, _ in rebuilt_states(a)]
@@ -136,15 +132,15 @@ def test_the_leader_crashes_then_a_peer_joins_and_one_leaves(cluster: Cluster,
     a, b, c = peers
     for p in peers:
         p.wait_line("GEN", timeout=90)
-    wait_steps(b, 4)
+    wait_more_steps(b, 4)
     a.signal(signal.SIGKILL)  # the leader, rank 0
-    wait_steps(b, 4)
+    wait_more_steps(b, 4)
     (d,) = cluster.start(1, **env)
     d.wait_line("GEN", timeout=90)
-    wait_steps(d, 3)
+    wait_more_steps(d, 3)
     c.signal(signal.SIGTERM)  # graceful: its shard moves before it goes
     assert c.wait(90) == 0, c.output()
-    wait_steps(d, 3)
+    wait_more_steps(d, 3)
     end.touch()
     r = finish([b, d])
     assert r["plain_ok"] and r["world"] == 2, r
@@ -164,7 +160,7 @@ def test_losing_more_peers_than_the_redundancy_without_snapshots_fails_clearly(
     a, b, c = peers
     for p in peers:
         p.wait_line("GEN", timeout=90)
-    wait_steps(a, 4)
+    wait_more_steps(a, 4)
     b.signal(signal.SIGKILL)
     for p in (a, c):
         assert p.wait(120) == 4, p.output()  # EXIT_JOB_FAILED: the job failed as a whole
@@ -181,7 +177,6 @@ def snapshot_names(directory) -> list:  # type: ignore[no-untyped-def]
 def test_a_whole_job_restart_resumes_its_sharded_snapshot_at_another_world_size(
         etcd: str, unique_job: str, tmp_path, before: int, after: int) -> None:
     from peer_elastic.durable.layout import SnapshotDir
-    from tests.test_durable_resume import wait_for
 
     snaps = tmp_path / "snaps"
     settings = {**SETTINGS, "PEER_ELASTIC_SNAPSHOT_DIR": snaps,
@@ -192,7 +187,7 @@ def test_a_whole_job_restart_resumes_its_sharded_snapshot_at_another_world_size(
     try:
         peers = c.start(before)
         peers[0].wait_line("GEN", timeout=90)
-        wait_for(lambda: len(directory.names()) >= 2, 120, "second snapshot", peers)
+        wait_until(lambda: len(directory.names()) >= 2, 120, "second snapshot", peers)
         peers[0].wait_line("STEP", timeout=60, after=len(peers[0].lines))
         for p in peers:
             p.signal(signal.SIGKILL)
@@ -219,7 +214,7 @@ def test_losing_more_peers_than_the_redundancy_falls_back_to_the_snapshot(
     a, b, c = peers
     for p in peers:
         p.wait_line("GEN", timeout=90)
-    wait_steps(a, 12)
+    wait_more_steps(a, 12)
     b.signal(signal.SIGKILL)
     r = finish([a, c])
     assert r["states_lost"] >= 1 or "resuming job" in a.output(), r
@@ -278,22 +273,22 @@ def test_hsdp_resizes_down_and_up_and_comes_back_bit_identical(
         p.wait_line("GEN", timeout=90)
     # the leader (rank 0, the oldest): never the one parked
     a = next(p for p in peers if p.wait_line("GEN").split()[2] == "0")
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     assert "max_np=3" in cli(etcd, "set", "--job", unique_job, "max_np=3")
     wait_text(a, "GEN ", count=2)
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     running = [p for p in peers if p is not a and sum("GEN " in line for line in p.lines) >= 2]
     running[-1].signal(signal.SIGKILL)
     wait_text(a, "GEN ", count=3)
-    wait_steps(a, 3)
+    wait_more_steps(a, 3)
     assert "max_np=4" in cli(etcd, "set", "--job", unique_job, "max_np=4")
     (d,) = cluster.start(1, **env)
     wait_text(a, "GEN 1", count=1)
     deadline = time.monotonic() + 120
     while not any(size == 4 for _, size, _, _ in rebuilt_states(a)[1:]):
         assert time.monotonic() < deadline, a.output()
-        wait_steps(a, 1)
-    wait_steps(a, 3)
+        wait_more_steps(a, 1)
+    wait_more_steps(a, 3)
     end.touch()
     survivors = [p for p in [*peers, d] if p.proc.poll() is None]
     r = finish(survivors)

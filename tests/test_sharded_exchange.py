@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,6 +50,7 @@ def _exchange(rank: int, world: int, out: Path) -> None:
     (out / f"{rank}.json").write_text(json.dumps(ok))
 
 
+@pytest.mark.slow
 def test_transfer_moves_mixed_lists_between_every_pair(tmp_path: Path) -> None:
     run_world(_exchange, 3, tmp_path)
     assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)] == [True] * 3
@@ -149,11 +151,13 @@ def _check_round_trip(out: Path, second: int) -> None:
         assert json.loads((out / f"again{rank}.json").read_text()), rank
 
 
+@pytest.mark.slow
 def test_a_sharded_state_comes_back_bit_identical_at_fewer_ranks(tmp_path: Path) -> None:
     run_world(functools.partial(_round_trip, first=3, second=2), 3, tmp_path)
     _check_round_trip(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_a_sharded_state_comes_back_bit_identical_with_a_joiner(tmp_path: Path) -> None:
     run_world(functools.partial(_round_trip, first=2, second=3), 3, tmp_path)
     _check_round_trip(tmp_path, 3)

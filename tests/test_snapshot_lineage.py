@@ -14,9 +14,6 @@ Each ends with the exactly-once oracle (tests/helpers/elastic_worker.py).
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +22,9 @@ import pytest
 from peer_elastic.durable.layout import SnapshotDir
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import JobKeys
-from tests.helpers.procs import Cluster, PeerProc, results
+from tests.helpers.cli import cli
+from tests.helpers.procs import Cluster, PeerProc, wait_until
+from tests.helpers.worker_lines import gen_lines, results, starts
 
 pytestmark = pytest.mark.slow
 
@@ -38,34 +37,6 @@ SETTINGS = {
     "WORKER_SAMPLES": 320,
     "WORKER_STEP_S": 0.03,
 }
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
-             peers: list[PeerProc]) -> None:
-    """Poll a condition on files or output (bounded); fail with the peers' output."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        ended = bool(peers) and all(p.proc.poll() is not None for p in peers)
-        if time.monotonic() > deadline or ended:
-            raise AssertionError(f"no {what}:\n" + "\n".join(p.output() for p in peers))
-        time.sleep(0.1)
-
-
-def lines(p: PeerProc, prefix: str) -> list[list[str]]:
-    with p.cond:
-        return [line.split()[1:] for line in p.lines if line.startswith(prefix + " ")]
-
-
-def first_commits_after(p: PeerProc, n_starts: int) -> int:
-    """The commit count of the ``n_starts``-th START line of ``p`` (0-based)."""
-    return int(lines(p, "START")[n_starts][2])
-
-
-def cli(etcd: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "peer_elastic.cli", *args, "--etcd", etcd],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def finish_one(p: PeerProc, others: list[PeerProc]) -> dict:
@@ -86,19 +57,19 @@ def test_a_parked_peer_goes_on_from_the_newest_snapshot_when_the_roster_dies(
         peers = cluster.start(3)
         for p in peers:
             p.wait_line("GEN", timeout=120)
-        wait_for(lambda: len(directory.names()) >= 1, 90, "a first snapshot", peers)
+        wait_until(lambda: len(directory.names()) >= 1, 90, "a first snapshot", peers)
         assert "max_np=2" in cli(etcd, "set", "--job", unique_job, "max_np=2")
         # The parked peer is the one that formed no group of two.
-        wait_for(lambda: sum(any(g[2] == "2" for g in lines(p, "GEN")) for p in peers) == 2,
-                 120, "a group of two", peers)
-        (parked,) = [p for p in peers if not any(g[2] == "2" for g in lines(p, "GEN"))]
+        wait_until(lambda: sum(any(size == 2 for _, _, size in gen_lines(p)) for p in peers) == 2,
+                   120, "a group of two", peers)
+        (parked,) = [p for p in peers if not any(size == 2 for _, _, size in gen_lines(p))]
         trained = [p for p in peers if p is not parked]
         at_park = directory.newest_valid()
         assert at_park is not None
         # The two train on, and snapshots get well ahead of what the parked peer holds.
-        wait_for(lambda: (directory.newest_valid() or at_park).id.commits
-                 >= at_park.id.commits + 10, 120, "snapshots past the park", peers)
-        starts_before = len(lines(parked, "START"))
+        wait_until(lambda: (directory.newest_valid() or at_park).id.commits
+                   >= at_park.id.commits + 10, 120, "snapshots past the park", peers)
+        starts_before = len(starts(parked))
         for p in trained:
             p.signal(signal.SIGKILL)
         for p in trained:
@@ -106,9 +77,9 @@ def test_a_parked_peer_goes_on_from_the_newest_snapshot_when_the_roster_dies(
         newest = directory.newest_valid()
         assert newest is not None
         parked.wait_line("START", timeout=120, after=0)
-        wait_for(lambda: len(lines(parked, "START")) > starts_before, 120,
-                 "the parked peer's group", peers)
-        resumed_at = first_commits_after(parked, starts_before)
+        wait_until(lambda: len(starts(parked)) > starts_before, 120,
+                   "the parked peer's group", peers)
+        resumed_at = starts(parked)[starts_before][2]
         # Never behind the newest snapshot written before the roster died.
         assert resumed_at >= newest.id.commits > at_park.id.commits, (
             resumed_at, newest.id.name, at_park.id.name)
@@ -145,7 +116,7 @@ def test_a_reused_job_name_with_another_model_keeps_and_resumes_its_own_snapshot
         first.close()
     old = set(directory.names())
     assert old, "the first run wrote no snapshot"
-    wait_for(_run_key_gone(etcd, unique_job), 60, "the first run's keys to expire", [])
+    wait_until(_run_key_gone(etcd, unique_job), 60, "the first run's keys to expire", [])
 
     # Run 2: another model (more samples), long enough to be killed mid-way.
     end = tmp_path / "end"
@@ -153,8 +124,8 @@ def test_a_reused_job_name_with_another_model_keeps_and_resumes_its_own_snapshot
                                           "WORKER_END_FILE": end})
     try:
         run2 = second.start(2)
-        wait_for(lambda: len(set(directory.names()) - old) >= 2, 120,
-                 "two snapshots of the second run", run2)
+        wait_until(lambda: len(set(directory.names()) - old) >= 2, 120,
+                   "two snapshots of the second run", run2)
         for p in run2:
             p.signal(signal.SIGKILL)
         for p in run2:
@@ -167,8 +138,8 @@ def test_a_reused_job_name_with_another_model_keeps_and_resumes_its_own_snapshot
         again = second.start(2)
         for p in again:
             p.wait_line("START", timeout=120)
-        starts = [int(lines(p, "START")[0][2]) for p in again]
-        assert min(starts) == newest.id.commits > 0, (starts, newest.id.name)
+        resumed = [starts(p)[0][2] for p in again]
+        assert min(resumed) == newest.id.commits > 0, (resumed, newest.id.name)
         end.touch()
         for p in again:
             assert p.wait(180) == 0, p.output()
@@ -188,7 +159,7 @@ def test_a_resume_slower_than_the_collective_timeout_finishes(
                       WORKER_END_FILE=end, **settings)
     try:
         peers = cluster.start(2)
-        wait_for(lambda: len(directory.names()) >= 2, 120, "two snapshots", peers)
+        wait_until(lambda: len(directory.names()) >= 2, 120, "two snapshots", peers)
         for p in peers:
             p.signal(signal.SIGKILL)
         for p in peers:
@@ -199,7 +170,7 @@ def test_a_resume_slower_than_the_collective_timeout_finishes(
         again = cluster.start(2, WORKER_SLOW_RESUME_S=12)
         for p in again:
             p.wait_line("START", timeout=180)
-        assert min(int(lines(p, "START")[0][2]) for p in again) == newest.id.commits
+        assert min(starts(p)[0][2] for p in again) == newest.id.commits
         assert sum("SLOW_RESUME" in p.output() for p in again) == 1  # one loader, once
         end.touch()
         for p in again:

@@ -563,6 +563,7 @@ def _sync_worker(rank: int, world: int, outdir: Path) -> None:
     torch.save(out, outdir / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
     _run_world(_sync_worker, 3, tmp_path)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
@@ -619,6 +620,7 @@ def _striped_worker(rank: int, world: int, outdir: Path) -> None:
     torch.save(out, outdir / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_striped_join_leaves_every_rank_bit_identical(tmp_path: Path) -> None:
     _run_world(_striped_worker, 4, tmp_path)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]

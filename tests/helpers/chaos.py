@@ -54,9 +54,9 @@ from tests.helpers.procs import (
     Cluster,
     PeerProc,
     assert_no_thread_of_ours_left,
-    callback_digests,
     native_stacks,
 )
+from tests.helpers.worker_lines import callback_digests
 
 SEED_ENV = "PEER_ELASTIC_CHAOS_SEED"
 EVENTS_ENV = "PEER_ELASTIC_CHAOS_EVENTS"

@@ -31,8 +31,8 @@ from peer_elastic.etcd.admin import update_config
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.view import JobView, ViewSnapshot
 from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.worker_lines import gen_lines, wait_world
 
-GEN_LINE = re.compile(r"GEN (\d+) (\d+) (\d+)")
 DROPPED = re.compile(r"member \S+ lost its lease")  # logged once per loss (coordinator)
 
 
@@ -48,24 +48,11 @@ class ResetReport:
 
 
 def _gens(p: PeerProc) -> list[int]:
-    with p.cond:
-        return [int(m.group(1)) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
+    return [g for g, _, _ in gen_lines(p)]
 
 
 def _worlds(p: PeerProc) -> list[int]:
-    with p.cond:
-        return [int(m.group(3)) for line in p.lines if (m := GEN_LINE.fullmatch(line))]
-
-
-def _wait_world(p: PeerProc, size: int, after: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while size not in _worlds(p)[after:]:
-        if time.monotonic() > deadline or p.proc.poll() is not None:
-            raise AssertionError(f"{p.name}: no world of {size} in {timeout} s:\n{p.output()}")
-        try:
-            p.wait_line("GEN", timeout=0.2, after=len(p.lines))
-        except AssertionError:
-            pass
+    return [size for _, _, size in gen_lines(p)]
 
 
 def epoch_cap(resets: int, per_reset: int) -> int:
@@ -97,11 +84,11 @@ def run_resets(endpoint: str, job: str, resets: int, end_file: Path, hogs: int =
             p.wait_line("GEN", timeout=120)
         for k in range(resets):
             (victim,) = cluster.start(1)
-            _wait_world(victim, 3, 0, 180)
+            wait_world(victim, 3, 180, seen=0)
             after = len(_worlds(healthy[0]))
             t0 = time.monotonic()
             victim.kill()
-            _wait_world(healthy[0], 2, after, 120)
+            wait_world(healthy[0], 2, 120, seen=after)
             report.recovery_s.append(time.monotonic() - t0)
             report.resets += 1
             say(f"reset {k + 1}/{resets}: world of 2 after {report.recovery_s[-1]:.2f} s")

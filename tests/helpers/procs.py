@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.helpers.at_exit import PREFIX as THREADS_AT_EXIT
+from tests.helpers.worker_lines import results
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.helpers.elastic_worker"
@@ -53,6 +53,10 @@ class PeerProc:
     def pid(self) -> int:
         return self.proc.pid
 
+    def ended(self) -> bool:
+        """Exited, and every line it wrote is in ``lines`` (the reader reached the end)."""
+        return self.proc.poll() is not None and not self._reader.is_alive()
+
     def wait_line(self, prefix: str, timeout: float = 60, after: int = 0) -> str:
         """First line starting with ``prefix`` at index >= ``after`` (bounded wait)."""
         deadline = time.monotonic() + timeout
@@ -62,7 +66,7 @@ class PeerProc:
                     if line.startswith(prefix):
                         return line
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                if left <= 0 or self.ended():
                     raise AssertionError(
                         f"{self.name}: no line starting {prefix!r}; output:\n" + self.output())
                 self.cond.wait(min(left, 0.5))
@@ -167,30 +171,6 @@ def assert_no_thread_of_ours_left(p: PeerProc) -> None:
     assert not left, f"{p.name}: threads of peer-elastic outlived join(): {left}\n{p.output()}"
 
 
-def callback_digests(peers: list[PeerProc]) -> dict[str, set[str]]:
-    """Generation -> the state digests the peers printed in its reset callbacks
-    (``CALLBACK <generation> <digest>``, tests/helpers/elastic_worker.py). Callbacks run
-    once state is synced, so each generation should have one."""
-    digests: dict[str, set[str]] = {}
-    for p in peers:
-        with p.cond:
-            for line in p.lines:
-                if line.startswith("CALLBACK "):
-                    _, gen, dig = line.split()
-                    digests.setdefault(gen, set()).add(dig)
-    return digests
-
-
-def results(peers: list[PeerProc]) -> list[dict]:
-    """Every ``RESULT <json>`` line the peers printed, decoded (rank 0 prints exactly one)."""
-    out = []
-    for p in peers:
-        with p.cond:
-            out += [json.loads(line.split(" ", 1)[1]) for line in p.lines
-                    if line.startswith("RESULT ")]
-    return out
-
-
 def others_output(peers: list[PeerProc], but: PeerProc, tail: int = 4000) -> str:
     """The end of every other peer's output, for a failure message."""
     return "\n".join(f"--- {p.name} (exit {p.proc.poll()})\n{p.output()[-tail:]}"
@@ -257,3 +237,15 @@ class Cluster:
             with p.cond:
                 text = "\n".join(p.lines)
             (Path(where) / f"{job}.{p.name}.log").write_text(text + "\n")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
+               peers: list[PeerProc]) -> None:
+    """Poll a condition on files or output (bounded; for files, which wake nothing); fail
+    with the peers' output when ``timeout`` passes or every peer has exited."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        ended = bool(peers) and all(p.proc.poll() is not None for p in peers)
+        if time.monotonic() > deadline or ended:
+            raise AssertionError(f"no {what}:\n" + "\n".join(p.output() for p in peers))
+        time.sleep(0.1)
