@@ -135,11 +135,14 @@ def test_reset_callbacks_see_world_size_and_reset_limit_stops_the_job(cluster: C
 
 @pytest.mark.parametrize("hook", [False, True], ids=["ddp-reducer", "pe.allreduce_hook"])
 def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluster,
-                                                                 hook: bool) -> None:
-    # The README's recipe: DDP is rebuilt on each new group by a reset callback; with the
-    # hook, the reset vote rides on DDP's gradients, and checks between commits use it.
-    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=2, WORKER_DDP=1, WORKER_DDP_HOOK=int(hook),
-               WORKER_CHECK_EVERY=1 if hook else 0)
+                                                                 hook: bool, tmp_path) -> None:
+    # The documented recipe: DDP is rebuilt on each new group by a reset callback; with the
+    # hook, the reset vote rides on DDP's gradients, and checks between commits use it. The
+    # job runs until the events are done (WORKER_END_FILE): a joiner slow to start on a
+    # loaded machine must not find it finished.
+    end = tmp_path / "end"
+    env = dict(PEER_ELASTIC_MIN_NP=1, WORKER_EPOCHS=200, WORKER_END_FILE=end, WORKER_DDP=1,
+               WORKER_DDP_HOOK=int(hook), WORKER_CHECK_EVERY=1 if hook else 0)
     a, b = cluster.start(2, **env)
     a.wait_line("GEN")
     wait_more_steps(a, 3)
@@ -147,6 +150,8 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
     c.wait_line("GEN", timeout=90)
     wait_more_steps(c, 3)
     b.signal(signal.SIGKILL)  # crash: rebuild for world 2, after a rollback
+    wait_more_steps(c, 3)
+    end.touch()
     for p in (a, c):
         assert p.wait(180) == 0, p.output()
     r = result_of(a)
@@ -190,11 +195,14 @@ def test_sigterm_below_min_np_lets_the_leaver_go_and_the_rest_wait(cluster: Clus
     assert "elastic timeout" in a.output()
 
 
-def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: Cluster) -> None:
+def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: Cluster,
+                                                                        tmp_path) -> None:
     # DistributedSampler's habit: sampler.set_epoch(state.epoch) at the top of the epoch loop.
     # After a crash and a join mid-epoch the training function runs again from its top; the
     # call must keep what the reset kept, or the epoch's done samples are trained twice.
-    env = dict(WORKER_EPOCHS=2, WORKER_SET_EPOCH_AT_START=1, WORKER_COMMIT_EVERY=3)
+    end = tmp_path / "end"
+    env = dict(WORKER_EPOCHS=200, WORKER_END_FILE=end, WORKER_SET_EPOCH_AT_START=1,
+               WORKER_COMMIT_EVERY=3)
     a, b, c = cluster.start(3, **env)
     a.wait_line("GEN", timeout=90)
     wait_more_steps(a, 3)
@@ -202,6 +210,8 @@ def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: 
     wait_more_steps(a, 3)
     (d,) = cluster.start(1, **env)  # mid-epoch: a reset that keeps everything
     d.wait_line("GEN", timeout=90)
+    wait_more_steps(d, 3)
+    end.touch()
     for p in (a, b, d):
         assert p.wait(240) == 0, p.output()
     r = result_of(a)
