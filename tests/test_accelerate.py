@@ -120,6 +120,20 @@ def _assert_one_group(out: Path, etcd: str, job: str, procs: list[subprocess.Pop
     assert "closed" in keys, "the finished job closed its rendezvous"
 
 
+def _two_launchers_form_one_group(args: list[str], env: dict[str, str], tmp_path: Path,
+                                  out: Path, etcd: str, job: str, world: int) -> None:
+    """Start two launchers with ``args``; both exit 0 and their workers formed one group of
+    ``world`` through the peer-elastic backend."""
+    logs = [tmp_path / f"launcher{i}.log" for i in range(2)]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [_launch(args, env, log) for log in logs]
+        assert _finish(procs, logs) == [0, 0], _tails(logs)
+        _assert_one_group(out, etcd, job, procs, world, logs)
+    finally:
+        _kill(procs)
+
+
 def test_launchers_with_a_node_range_form_one_group(etcd: str, unique_job: str,
                                                     tmp_path: Path) -> None:
     """The elastic form: each machine runs ``accelerate launch --multi_gpu --num_processes 2
@@ -135,14 +149,7 @@ def test_launchers_with_a_node_range_form_one_group(etcd: str, unique_job: str,
             "--rdzv_backend", BACKEND, "--rdzv_conf", "last_call_timeout=2",
             "--max_restarts", "3", "--monitor_interval", "0.5",
             "--mixed_precision", "no", "--dynamo_backend", "no"]
-    logs = [tmp_path / f"launcher{i}.log" for i in range(2)]
-    procs: list[subprocess.Popen] = []
-    try:
-        procs = [_launch(args, env, log) for log in logs]
-        assert _finish(procs, logs) == [0, 0], _tails(logs)
-        _assert_one_group(out, etcd, unique_job, procs, 4, logs)
-    finally:
-        _kill(procs)
+    _two_launchers_form_one_group(args, env, tmp_path, out, etcd, unique_job, 4)
 
 
 def test_launchers_with_num_machines_reach_etcd_through_main_process_ip(
@@ -161,14 +168,7 @@ def test_launchers_with_num_machines_reach_etcd_through_main_process_ip(
             "--rdzv_backend", BACKEND, "--rdzv_conf", "last_call_timeout=2",
             "--max_restarts", "3", "--monitor_interval", "0.5",
             "--mixed_precision", "no", "--dynamo_backend", "no"]
-    logs = [tmp_path / f"launcher{i}.log" for i in range(2)]
-    procs: list[subprocess.Popen] = []
-    try:
-        procs = [_launch(args, env, log) for log in logs]
-        assert _finish(procs, logs) == [0, 0], _tails(logs)
-        _assert_one_group(out, etcd, unique_job, procs, 2, logs)
-    finally:
-        _kill(procs)
+    _two_launchers_form_one_group(args, env, tmp_path, out, etcd, unique_job, 2)
 
 
 def test_machine_rank_0_on_the_etcd_host_is_refused(etcd: str, unique_job: str,
