@@ -20,7 +20,8 @@ from peer_elastic.cli import ExitCode
 from peer_elastic.config import JobSettings
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
-from peer_elastic.etcd_server import ETCD_BINARY_ENV, free_port
+from peer_elastic.etcd_server import ETCD_BINARY_ENV
+from tests.helpers.cli import start_etcd_command
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0)
@@ -189,12 +190,8 @@ def test_dashboard_on_a_taken_port_is_one_line(running_job: str, etcd: str) -> N
                                        (signal.SIGINT, ExitCode.INTERRUPTED)])
 def test_etcd_command_exit_code_follows_the_signal(tmp_path: Path, sig: signal.Signals,
                                                    code: ExitCode) -> None:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "peer_elastic.cli", "etcd", "--data-dir",
-                             str(tmp_path / "data"), "--port", str(port)], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+    proc, _ = start_etcd_command(tmp_path / "data")
     try:
-        assert f"127.0.0.1:{port}" in proc.stderr.readline()  # printed once it is healthy
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == code
     finally:

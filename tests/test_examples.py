@@ -13,6 +13,7 @@ import pytest
 
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.etcd_server import free_port
+from tests.helpers.cli import start_etcd_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -110,12 +111,8 @@ def test_etcd_command_serves_until_interrupted(tmp_path: Path) -> None:
     import time
     import urllib.request
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "peer_elastic.cli", "etcd", "--data-dir",
-                             str(tmp_path / "data"), "--port", str(port)], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+    proc, port = start_etcd_command(tmp_path / "data")
     try:
-        assert f"127.0.0.1:{port}" in proc.stderr.readline()  # printed once it is healthy
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             assert b'"health":"true"' in r.read()
         for _ in range(50):  # Ctrl-C pressed again and again must not deadlock it
