@@ -22,7 +22,7 @@ import pytest
 from tests.helpers.cli import cli
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc, wait_until
-from tests.helpers.worker_lines import callback_digests, wait_more_steps
+from tests.helpers.worker_lines import callback_digests, committed_digests, wait_more_steps
 
 pytestmark = pytest.mark.slow
 
@@ -49,18 +49,6 @@ def result_of(peers: list[PeerProc]) -> dict:
         if lines:
             return json.loads(lines[-1].split(" ", 1)[1])
     raise AssertionError("no RESULT line:\n" + "\n".join(p.output() for p in peers))
-
-
-def committed_digests(peers: list[PeerProc]) -> dict[int, set[str]]:
-    """Every COMMITTED line's digest by commit count (all ranks print the same one)."""
-    out: dict[int, set[str]] = {}
-    for p in peers:
-        with p.cond:
-            for line in p.lines:
-                if line.startswith("COMMITTED "):
-                    _, commits, digest = line.split()
-                    out.setdefault(int(commits), set()).add(digest)
-    return out
 
 
 def rebuilt_states(p: PeerProc) -> list[tuple[int, int, int, str]]:

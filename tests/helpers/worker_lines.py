@@ -85,17 +85,27 @@ def results(peers: list[PeerProc]) -> list[dict]:
     return out
 
 
-def callback_digests(peers: list[PeerProc]) -> dict[str, set[str]]:
-    """Generation -> the state digests the peers printed in its reset callbacks. Callbacks
-    run once state is synced, so each generation should have one."""
+def _digests_by(peers: list[PeerProc], kind: str) -> dict[str, set[str]]:
+    """``<kind> <key> <digest>`` lines of every peer: key -> the digests printed for it."""
     digests: dict[str, set[str]] = {}
     for p in peers:
         with p.cond:
             for line in p.lines:
-                if line.startswith("CALLBACK "):
-                    _, gen, dig = line.split()
-                    digests.setdefault(gen, set()).add(dig)
+                if line.startswith(kind + " "):
+                    _, key, dig = line.split()
+                    digests.setdefault(key, set()).add(dig)
     return digests
+
+
+def callback_digests(peers: list[PeerProc]) -> dict[str, set[str]]:
+    """Generation -> the state digests the peers printed in its reset callbacks. Callbacks
+    run once state is synced, so each generation should have one."""
+    return _digests_by(peers, "CALLBACK")
+
+
+def committed_digests(peers: list[PeerProc]) -> dict[int, set[str]]:
+    """Every COMMITTED line's digest by commit count (all ranks print the same one)."""
+    return {int(commits): d for commits, d in _digests_by(peers, "COMMITTED").items()}
 
 
 # -- bounded waits ----------------------------------------------------------------------------
