@@ -230,8 +230,8 @@ def test_racing_writers_exactly_one_generation_wins(peers: Peers) -> None:
         t.start()
     for t in threads:
         t.join(10)
-    assert a.stats["generations_written"] + b.stats["generations_written"] - 1 == 1
-    assert a.stats["cas_lost"] + b.stats["cas_lost"] == 1
+    assert a.counters.generations_written + b.counters.generations_written - 1 == 1
+    assert a.counters.cas_lost + b.counters.cas_lost == 1
     kv = a.client.get(a.keys.generation)
     assert decode(GenerationRecord, kv.value).number == plan.number
 
@@ -371,7 +371,7 @@ def test_lost_lease_rejoins_as_new_member(peers: Peers) -> None:
     gen, _ = wait_gen([a, b], lambda g: old not in g.roster and len(g.roster) == 2)
     assert b.member_id != old and b.member_id in gen.roster
     assert b.assignment().rank == 1  # a joiner, never rank 0
-    assert b.stats["rejoins"] == 1
+    assert b.counters.rejoins == 1
 
 
 def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_opens(
@@ -393,12 +393,12 @@ def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_op
     assert b.mark_broken(gen.number, "no registration, no write") is False
     # Held: nobody lists b again however long it waits (several of a's settle periods).
     assert a.view.wait_for(lambda s: len(s.members) > 1, 2.0) is None
-    assert b.stats["rejoins"] == 0 and b.member_id == old
+    assert b.counters.rejoins == 0 and b.member_id == old
     left.set()
     b.view.wake()  # what GroupManager.destroy does
     gen, _ = wait_gen([a, b], lambda g: len(g.roster) == 2)
     assert b.member_id != old and b.member_id in gen.roster
-    assert b.stats["rejoins"] == 1 and b.incarnation == incarnation + 1
+    assert b.counters.rejoins == 1 and b.incarnation == incarnation + 1
 
 
 def test_a_paused_job_takes_back_its_only_member_after_its_lease_lapsed(peers: Peers) -> None:

@@ -106,7 +106,7 @@ def test_peers_survive_etcd_restart_without_spurious_generation(fresh_etcd, uniq
             assert s is not None
             # Exactly one new generation: the join. Nobody was dropped by the outage.
             assert s.generation.number == gen + 1, s.generation.reason
-        assert coords[0].stats["rejoins"] == coords[1].stats["rejoins"] == 0
+        assert coords[0].counters.rejoins == coords[1].counters.rejoins == 0
     finally:
         for c in coords:
             c.close()
@@ -139,7 +139,7 @@ def test_peer_keeps_lease_and_watch_when_its_etcd_member_dies(etcd_cluster, uniq
                                     and len(s.generation.roster) == 3, 20)
         assert s is not None, "the watch did not survive the member loss"
         assert s.generation.number == gen + 1
-        assert coords[0].member_id in s.members and coords[0].stats["rejoins"] == 0
+        assert coords[0].member_id in s.members and coords[0].counters.rejoins == 0
     finally:
         for c in coords:
             c.close()
@@ -232,8 +232,8 @@ def test_etcd_leader_changes_cost_no_generation_and_no_member(etcd_cluster, uniq
             assert s.generation.number == gen + 1, s.generation.reason
             assert members <= set(s.members)
             assert c.error is None
-        assert [c.stats["rejoins"] for c in coords] == [0, 0, 0]
-        assert [c.stats["dropped"] for c in coords] == [0, 0, 0]
+        assert [c.counters.rejoins for c in coords] == [0, 0, 0]
+        assert [c.counters.dropped for c in coords] == [0, 0, 0]
     finally:
         for c in coords:
             c.close()

@@ -165,7 +165,7 @@ def test_the_leaders_own_generation_write_is_not_counted_as_lost(clients, coords
     snap = c.view.wait_for(lambda s: c.member_id in s.ready_for(1), 15)
     assert snap is not None and lost
     assert snap.generation.number == 1 and snap.generation.written_by == c.member_id
-    assert c.stats["cas_lost"] == 0 and c.stats["generations_written"] == 1
+    assert c.counters.cas_lost == 0 and c.counters.generations_written == 1
 
 
 def test_finish_recognises_its_own_done_record_after_a_lost_answer(clients, coords,

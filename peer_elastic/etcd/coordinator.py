@@ -46,6 +46,7 @@ from peer_elastic.errors import (
 )
 from peer_elastic.etcd.admin import drain
 from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.deaths import DeathProber
 from peer_elastic.etcd.done import FINISH_TIMEOUT_S, done_error
 from peer_elastic.etcd.keys import RunKeys
@@ -144,8 +145,8 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._closed = False
         # What this coordination thread did (the training side counts in Peer.stats).
-        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
-        self.leader = Leader(job, stats=self.stats)  # counts generations_written, cas_lost, dropped
+        self.counters = CoordinatorCounters()
+        self.leader = Leader(job, counters=self.counters)
         self.deaths = DeathProber(on_confirmed=self.view.wake)
 
     # -- start ------------------------------------------------------------------------------------
@@ -533,7 +534,7 @@ class Coordinator:
             return  # woken again by the view when the training side leaves its group
         old = self.member_id
         self._register()
-        self.stats["rejoins"] += 1
+        self.counters.rejoins += 1
         log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
 
     def _end_registration(self) -> None:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.deaths import Death
 from peer_elastic.etcd.roster import (
     ROSTER_BUDGET_BYTES,
@@ -91,18 +92,16 @@ class Leader:
     """The leader decisions of one member of ``job``; see the module docstring.
 
     ``writer`` is replaced when the member re-registers; the rest (silence clocks, the
-    elastic timeout's start, the roster budget) outlives registrations. ``stats`` counts
-    ``generations_written``, ``cas_lost`` and ``dropped``.
+    elastic timeout's start, the roster budget) outlives registrations. ``counters`` (its
+    coordinator's) count ``generations_written``, ``cas_lost`` and ``dropped``.
     """
 
     def __init__(self, job: str, writer: LeaderWrites | None = None,
-                 stats: MutableMapping[str, int] | None = None,
+                 counters: CoordinatorCounters | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self.job = job
         self.writer = writer
-        self.stats: MutableMapping[str, int] = stats if stats is not None else {}
-        for name in ("generations_written", "cas_lost", "dropped"):
-            self.stats.setdefault(name, 0)
+        self.counters = counters if counters is not None else CoordinatorCounters()
         self.wall = wall
         # Lowered when etcd refuses a generation record as too large (a server started with
         # a --max-request-bytes below the default): the next plan caps the roster under it.
@@ -262,13 +261,13 @@ class Leader:
             self._shrink_roster_budget(snap, plan, exc)
             return False
         if written is not Written.WRITTEN:
-            self.stats["cas_lost"] += 1
+            self.counters.cas_lost += 1
             return False
-        self.stats["generations_written"] += 1
+        self.counters.generations_written += 1
         for m in plan.dropped:
             member = snap.members.get(m)
             if member is not None:
-                self.stats["dropped"] += 1
+                self.counters.dropped += 1
                 self.writer.revoke(member.record.lease_id)
         return True
 
