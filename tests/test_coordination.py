@@ -419,7 +419,7 @@ def test_blacklist_excludes_a_failing_host_for_its_cooldown(peers: Peers) -> Non
     (a,) = peers.start(1, host="good", **settings)
     (b,) = peers.start(1, host="flaky", **settings)
     wait_gen([a], lambda g: len(g.roster) == 2)
-    b.auto_rejoin = False
+    b.rejoin.auto = False
     a.client.revoke(b.lease_id)  # a failure, not a graceful leave
     snap = a.view.wait_for(lambda s: "flaky" in s.blacklist, 10)
     assert snap is not None

@@ -14,8 +14,7 @@ runs one coordination thread that reacts to every change of the watched
 * when its own lease is lost it ends that registration at once (:attr:`incarnation`
   changes, so the training side stops using the groups formed under it) and registers again
   as a new member (a joiner) once the training thread has left those groups
-  (:meth:`hold_rejoin`): listed earlier, it would make the others wait in their next
-  rendezvous for a thread still stuck in an old collective.
+  (:meth:`hold_rejoin`; :mod:`~peer_elastic.etcd.rejoin`).
 
 Its :class:`~peer_elastic.etcd.deaths.DeathProber` probes the members whose missing acks
 stand between this peer and writing (or, for the writer, all of them), so a crashed member
@@ -37,13 +36,7 @@ from dataclasses import dataclass
 
 from peer_elastic import threads
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import (
-    ConfigError,
-    EtcdError,
-    LeaseLost,
-    LeaveRequested,
-    PeerElasticError,
-)
+from peer_elastic.errors import ConfigError, EtcdError, LeaveRequested, PeerElasticError
 from peer_elastic.etcd.admin import drain
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.counters import CoordinatorCounters
@@ -53,6 +46,7 @@ from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.lease import Lane, LeaseKeeper, Session
 from peer_elastic.etcd.registration import Identity, default_host, register
+from peer_elastic.etcd.rejoin import Listing, Rejoin
 from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
 from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
@@ -123,7 +117,6 @@ class Coordinator:
         self.view = view or JobView(client, job)
         self._own_keeper = keeper is None
         self._keeper = keeper
-        self.auto_rejoin = auto_rejoin
 
         self.run: RunRecord | None = None
         self.keys: RunKeys | None = None
@@ -132,13 +125,10 @@ class Coordinator:
         # Bumped when this peer registers first and each time it loses its registration: a
         # group formed under another incarnation belongs to a lost registration.
         self.incarnation = 0
-        self._rejoin_gate: Callable[[], bool] | None = None  # see hold_rejoin
         self._session: Session | None = None
         self._lock = threading.Lock()  # guards _session / member_id / error across threads
         self._acked: set[int] = set()
         self._alive_acked: set[int] = set()
-        self._seen_incarnation = -1  # last incarnation our own view has listed
-        self._lost_lease = threading.Event()
         self.drain_requested = threading.Event()
         self.error: PeerElasticError | None = None
         self._stop = threading.Event()
@@ -147,6 +137,7 @@ class Coordinator:
         # What this coordination thread did (the training side counts in Peer.stats).
         self.counters = CoordinatorCounters()
         self.leader = Leader(job, counters=self.counters)
+        self.rejoin = Rejoin(self.counters, self.view.wake, auto=auto_rejoin)
         self.deaths = DeathProber(on_confirmed=self.view.wake)
 
     # -- start ------------------------------------------------------------------------------------
@@ -185,7 +176,9 @@ class Coordinator:
                 self.leader.writer = self.writer
                 self._session = reg.session
                 self.member_id = reg.member_id
-                self._lost_lease.clear()
+                self._acked.clear()
+                self._alive_acked.clear()
+                self.rejoin.registered()
         if closed:
             reg.session.close(revoke=True)
             raise _Closed(f"job {self.job!r}: closed while registering; registration undone")
@@ -211,28 +204,16 @@ class Coordinator:
         with self._lock:
             if self._session is None or self._session.lease_id != lease_id:
                 return
-            log.warning("member %s lost its lease: %s", self.member_id, why)
-            self._lost_lease.set()
+            self.rejoin.lease_lost(self.member_id, why)
         self.view.wake()
 
     def hold_rejoin(self, until: Callable[[], bool] | None) -> None:
         """After a lost lease, register again only once ``until()`` holds (None: at once).
 
         The training side passes "my training thread has left every group formed under a
-        lost registration". It is asked on the coordination thread, under the view's lock,
-        so it must only read memory; whoever makes it true calls ``view.wake()``.
+        lost registration" (:meth:`Rejoin.hold <peer_elastic.etcd.rejoin.Rejoin.hold>`).
         """
-        self._rejoin_gate = until
-        self.view.wake()
-
-    def _may_register(self) -> bool:
-        gate = self._rejoin_gate
-        return gate is None or gate()
-
-    def _rejoin_due(self) -> bool:
-        """A lost lease the coordination thread has yet to act on: end the registration, or
-        register again now that the gate opened."""
-        return self._lost_lease.is_set() and (self._session is not None or self._may_register())
+        self.rejoin.hold(until)
 
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
         self._fail(PeerElasticError(
@@ -302,7 +283,7 @@ class Coordinator:
             if snap.version != version:
                 self.check(snap)
                 a = self.assignment(snap)
-                if a is not None and a.generation > after and not self._lost_lease.is_set():
+                if a is not None and a.generation > after and not self.rejoin.pending:
                     return a
                 version = snap.version
             left = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
@@ -420,7 +401,7 @@ class Coordinator:
         with self._lock:
             session = self._session
         if session is not None:
-            if leave and not self._lost_lease.is_set() and self.snapshot().done is None \
+            if leave and not self.rejoin.pending and self.snapshot().done is None \
                     and self.writer is not None:
                 # A deliberate exit is a graceful departure, not a failure: the leader must
                 # not count it towards the blacklist or log it as expired.
@@ -456,7 +437,7 @@ class Coordinator:
             wake_on = WakeOn.ANY_CHANGE if self.leader.writes else WakeOn.FOLLOWER_CHANGE
             versions[wake_on] = self.view.wait_change(
                 versions[wake_on], timeout, until=lambda seen=deaths_seen: self._stop.is_set()
-                or self._rejoin_due()
+                or self.rejoin.due(registered=self._session is not None)
                 or self.deaths.version != seen,  # a death confirmed: decide at once
                 wake_on=wake_on)
             deaths_seen = self.deaths.version
@@ -480,8 +461,9 @@ class Coordinator:
         """React to the current picture once. Returns when to look again, if time matters."""
         if self.error is not None:
             return None
-        if self._lost_lease.is_set():
-            self._rejoin()
+        if self.rejoin.pending:
+            self.rejoin.act(self.member_id, self._session is not None,
+                            self._end_registration, self._register_again)
             return None
         snap = self.snapshot()
         if snap.done is not None:
@@ -491,14 +473,10 @@ class Coordinator:
             if self.run is not None:
                 raise PeerElasticError(f"run {self.run.run_id} of job {self.job!r} disappeared")
             return None
-        if self.member_id in snap.members:
-            self._seen_incarnation = self.incarnation
-        elif self._seen_incarnation == self.incarnation:
-            # Our key is gone (revoked by the leader for silence, or expired): the lease is
-            # as good as lost even if the keeper has not noticed yet.
-            self._lost_lease.set()
+        listing = self.rejoin.observe_listing(self.member_id in snap.members, self.incarnation)
+        if listing is Listing.GONE:  # revoked by the leader for silence, or expired
             return self._step()
-        else:
+        if listing is Listing.NOT_YET:
             return None  # our registration has not reached the view yet
         now = time.monotonic()
         self.leader.observe(snap, now)  # silence clocks start when we see, even if acks fail
@@ -525,31 +503,18 @@ class Coordinator:
         self.writer.ack(AckKind.ALIVE if alive else AckKind.READY, n, self.lease_id)
         (self._alive_acked if alive else self._acked).add(n)
 
-    def _rejoin(self) -> None:
-        """Act on a lost lease: end the registration (once), then register anew when the
-        gate (:meth:`hold_rejoin`) lets us."""
-        if self._session is not None:
-            self._end_registration()
-        if not self._may_register():
-            return  # woken again by the view when the training side leaves its group
-        old = self.member_id
-        self._register()
-        self.counters.rejoins += 1
-        log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
-
     def _end_registration(self) -> None:
+        """Revoke the lost registration's lease (rejoin's first step)."""
         with self._lock:
             session, self._session = self._session, None
             self.incarnation += 1  # the training side stops using the old groups (LEASE_LOST)
         assert session is not None
         session.close(revoke=True)  # the key may still exist if we merely stalled
-        self._acked.clear()
-        self._alive_acked.clear()
-        if not self.auto_rejoin:
-            raise LeaseLost(f"member {self.member_id} lost its lease")
-        if not self._may_register():
-            log.warning("member %s lost its lease; it registers again once its training thread "
-                        "has left the process group it was in", self.member_id)
+
+    def _register_again(self) -> str:
+        """Register as a new member (rejoin's second step); the new member id."""
+        self._register()
+        return self.member_id
 
     def record_event(self, kind: str, detail: str = "", member_id: str | None = None,
                      generation: int | None = None, timings: Mapping[str, float] | None = None,
