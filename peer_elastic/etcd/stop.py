@@ -14,6 +14,9 @@ own:
 * :meth:`Coordinator.check <peer_elastic.etcd.coordinator.Coordinator.check>`: does this
   peer's participation end? (:data:`LEAVE_JOB`)
 
+What it reads of the coordinator is :class:`CoordinatorFacts`, so this module sits below the
+coordinator, which asks it too.
+
 Each asks :func:`stop_reason` with the causes it acts on; the answer is a typed
 :class:`StopReason` (a :class:`StopCause` and a text for humans). Causes are tried in the
 order :class:`StopCause` lists them, so one set of facts always gives one answer.
@@ -24,18 +27,19 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from peer_elastic.etcd.coordinator import Coordinator
-    from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.errors import PeerElasticError
+from peer_elastic.etcd.view import ViewSnapshot
 
 __all__ = [
     "ABANDON_RENDEZVOUS",
     "ALL_CAUSES",
     "CANNOT_COMPLETE",
+    "CoordinatorFacts",
     "LEAVE_JOB",
     "RESET_NOW",
     "GroupId",
@@ -69,6 +73,28 @@ class StopReason:
 
     def __str__(self) -> str:
         return self.detail
+
+
+class CoordinatorFacts(Protocol):
+    """What :func:`stop_reason` reads of this peer's coordination (a
+    :class:`~peer_elastic.etcd.coordinator.Coordinator`): memory only."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def member_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> int: ...  # changes when this peer loses its registration
+
+    @property
+    def error(self) -> PeerElasticError | None: ...  # the fatal error, once there is one
+
+    @property
+    def drain_requested(self) -> threading.Event: ...  # this peer asked to leave
+
+    def snapshot(self) -> ViewSnapshot: ...  # the watched view's newest picture
 
 
 class GroupRef(Protocol):
@@ -111,7 +137,7 @@ LEAVE_JOB = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.LEFT})
 ALL_CAUSES = frozenset(StopCause)
 
 
-def stop_reason(coord: Coordinator, group: GroupRef | None,
+def stop_reason(coord: CoordinatorFacts, group: GroupRef | None,
                 snap: ViewSnapshot | None = None, *,
                 causes: Collection[StopCause] = ALL_CAUSES) -> StopReason | None:
     """The first of ``causes`` (in :class:`StopCause` order) that holds for ``group``, or None.
@@ -128,7 +154,7 @@ def stop_reason(coord: Coordinator, group: GroupRef | None,
     return None
 
 
-def _check(cause: StopCause, coord: Coordinator, group: GroupRef | None,
+def _check(cause: StopCause, coord: CoordinatorFacts, group: GroupRef | None,
            snap: ViewSnapshot) -> StopReason | None:
     newest = snap.generation
     if cause is StopCause.FATAL:
