@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
+from peer_elastic.etcd.roster import (
+    GenerationPlan,
+    Wait,
+    plan_next_generation,
+    silence_deadline,
+    silent_members,
+)
 from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.records import (
     GenerationCause,
@@ -110,6 +116,17 @@ def test_silence_is_not_counted_while_etcd_was_disrupted() -> None:
     assert silent_members(s, seen_at=90.0, join_timeout_s=1.0, now=100.0) == {"b-1": "ready"}
     assert silent_members(s, 90.0, 1.0, 100.0, settled_at=99.5) == {}
     assert silent_members(s, 90.0, 1.0, 100.6, settled_at=99.5) == {"b-1": "ready"}
+
+
+def test_silence_starts_join_timeout_after_the_later_of_the_ack_owed_and_the_floor() -> None:
+    assert silence_deadline(90.0, floor=0.0, join_timeout_s=1.0) == 91.0
+    assert silence_deadline(90.0, floor=99.5, join_timeout_s=1.0) == 100.5
+    # The leader's next look is the moment silent_members first names the member.
+    s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1"])
+    for seen_at, settled_at in ((0.1, 0.0), (0.1, 10.3), (7.7, 0.0)):
+        at = silence_deadline(seen_at, settled_at, 10.2)
+        assert silent_members(s, seen_at, 10.2, at, settled_at) == {"b-1": "ready"}
+        assert silent_members(s, seen_at, 10.2, at - 1e-6, settled_at) == {}
 
 
 def test_a_dead_leader_is_found_by_its_missing_alive_ack() -> None:

@@ -36,6 +36,7 @@ from peer_elastic.etcd.roster import (
     Wait,
     plan_next_generation,
     roster_bytes,
+    silence_deadline,
     silent_members,
 )
 from peer_elastic.etcd.view import Member, ViewSnapshot
@@ -211,12 +212,10 @@ class Leader:
             return plan.until
         floor = max(snap.connected_at, settled)
         deadlines = []
-        seen = ready_since
-        if seen is not None and set(gen.roster) - snap.ready_for(gen.number):
-            deadlines.append(max(seen, floor) + cfg.join_timeout_s)
-        broke = alive_since
-        if broke is not None and set(gen.roster) - snap.alive_for(gen.number):
-            deadlines.append(max(broke, floor) + cfg.join_timeout_s)
+        if ready_since is not None and set(gen.roster) - snap.ready_for(gen.number):
+            deadlines.append(silence_deadline(ready_since, floor, cfg.join_timeout_s))
+        if alive_since is not None and set(gen.roster) - snap.alive_for(gen.number):
+            deadlines.append(silence_deadline(alive_since, floor, cfg.join_timeout_s))
         return min(deadlines) if deadlines else None
 
     def _check_elastic_timeout(self, snap: ViewSnapshot, available: int, cfg: JobConfig,

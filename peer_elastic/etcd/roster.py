@@ -238,6 +238,13 @@ def _left_cause(snap: ViewSnapshot, member_id: str) -> GenerationCause:
     return GenerationCause.GENERATION_CAUSE_RESIZED
 
 
+def silence_deadline(owing_since: float, floor: float, join_timeout_s: float) -> float:
+    """When a roster member that owes an ack since ``owing_since`` becomes silent:
+    ``join_timeout_s`` later, the clock starting no earlier than ``floor`` (see
+    :func:`silent_members`). The leader also wakes then (``Leader.step``'s next look)."""
+    return max(owing_since, floor) + join_timeout_s
+
+
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
                    now: float, settled_at: float = 0.0,
                    broken_seen_at: float | None = None,
@@ -268,10 +275,10 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
     # Every member asks on every change it sees: the snapshot's shared lists of who owes
     # which ack keep this O(owing), not O(roster), per member.
     floor = max(snap.connected_at, settled_at)
-    if seen_at is not None and now - max(seen_at, floor) >= join_timeout_s:
+    if seen_at is not None and now >= silence_deadline(seen_at, floor, join_timeout_s):
         out.update({m: "ready" for m in snap.not_ready()})
     if snap.broken.get(gen.number) and broken_seen_at is not None \
-            and now - max(broken_seen_at, floor) >= join_timeout_s:
+            and now >= silence_deadline(broken_seen_at, floor, join_timeout_s):
         for m in snap.not_alive():
             out.setdefault(m, "alive")
     if deaths and snap.owing_acks():
