@@ -128,14 +128,14 @@ def test_oldest_member_leads_and_ranks_agree_across_joins_and_leaves(peers: Peer
     gen, numbers = wait_gen([a, b, c], lambda g: len(g.roster) == 3)
     assert len(numbers) == 1
     assert [x.assignment().rank for x in (a, b, c)] == [0, 1, 2]
-    assert gen.joined == [c.member_id] and gen.needs_sync
+    assert gen.joined == [c.member_id]
 
     a.close()  # the leader leaves: b is now the oldest and takes over
     gen, numbers = wait_gen([b, c], lambda g: a.member_id not in g.roster)
     assert b.snapshot().departures[-1].graceful  # a deliberate exit, not a failure
     assert list(gen.roster) == [b.member_id, c.member_id]
     assert b.is_leader and gen.written_by == b.member_id
-    assert not gen.needs_sync  # removals only
+    assert list(gen.removed) == [a.member_id] and not gen.joined  # removals only
     assert {x.assignment().rank for x in (b, c)} == {0, 1}
 
 
@@ -356,7 +356,7 @@ def test_drain_removes_member_gracefully(peers: Peers) -> None:
     drain(a.client, peers.job, b.member_id, "test")
     assert b.drain_requested.wait(10)
     gen2, _ = wait_gen([a, b], lambda g: b.member_id not in g.roster)
-    assert "left" in gen2.reason and not gen2.needs_sync
+    assert "left" in gen2.reason and not gen2.joined
     assert list(gen2.causes) == [GenerationCause.GENERATION_CAUSE_LEFT]
     b.close()
     snap = a.view.wait_for(lambda s: b.member_id not in s.members, 10)

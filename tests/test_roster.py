@@ -40,7 +40,7 @@ def test_survivors_keep_their_order_and_newcomers_never_take_rank_0() -> None:
     s = snap(["c-1", "b-1", "d-1"], gen=(4, ["b-1", "x-1"]))
     p = plan_next_generation(s, cfg(), set(), 100)
     assert p.roster == ("b-1", "c-1", "d-1")
-    assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",) and p.needs_sync
+    assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",)
     assert p.causes == (C.GENERATION_CAUSE_EXPIRED, C.GENERATION_CAUSE_JOINED)
 
 
@@ -52,13 +52,13 @@ def test_max_np_makes_standbys_and_promotes_them() -> None:
     assert p.roster == ("a-1", "c-1") and p.joined == ("c-1",)
 
 
-def test_removals_only_need_no_sync_but_a_broken_generation_does() -> None:
+def test_removals_only_write_the_survivors_and_a_broken_generation_its_same_roster() -> None:
     s = snap(["a-1"], gen=(3, ["a-1", "b-1"]))
     p = plan_next_generation(s, cfg(), set(), 100)
-    assert p.roster == ("a-1",) and not p.needs_sync
+    assert p.roster == ("a-1",) and not p.broken
     s = snap(["a-1", "b-1"], gen=(3, ["a-1", "b-1"]), broken=["a-1"])
     p = plan_next_generation(s, cfg(), set(), 0.0)  # broken: no settle wait
-    assert p.roster == ("a-1", "b-1") and p.needs_sync and p.broken and p.number == 4
+    assert p.roster == ("a-1", "b-1") and p.broken and p.number == 4
     assert p.causes == (C.GENERATION_CAUSE_BROKEN,)
 
 
@@ -154,7 +154,7 @@ def test_departures_below_min_np_write_a_waiting_generation() -> None:
     # ... and then everyone joins, the oldest (the state holder) first.
     s = snap(["a-1", "c-1"], gen=(5, []))
     p = plan_next_generation(s, cfg(min_np=2), {}, 100)
-    assert p.roster == ("a-1", "c-1") and p.needs_sync
+    assert p.roster == p.joined == ("a-1", "c-1")
 
 
 def test_roster_is_capped_by_its_byte_budget_and_the_reason_says_so() -> None:

@@ -38,7 +38,6 @@ class GenerationPlan:
     number: int
     roster: tuple[str, ...]
     reason: str  # for humans; decisions read ``causes``
-    needs_sync: bool
     joined: tuple[str, ...]
     removed: tuple[str, ...]
     dropped: tuple[str, ...]  # silent members removed (their leases are revoked)
@@ -132,7 +131,7 @@ def plan_next_generation(
             return GenerationPlan(
                 number=gen.number + 1,  # type: ignore[union-attr]
                 roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
-                f"(gone: {_names(gone)})", needs_sync=False, joined=(), removed=gone,
+                f"(gone: {_names(gone)})", joined=(), removed=gone,
                 dropped=dropped, broken=broken,
                 causes=(GenerationCause.GENERATION_CAUSE_BELOW_MIN_NP, *causes))
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
@@ -171,9 +170,6 @@ def _plan(snap: ViewSnapshot, roster: tuple[str, ...], capped: int, dropped: tup
         number=(gen.number if gen is not None else 0) + 1,
         roster=roster,
         reason="; ".join(parts),
-        # Sync when someone new must receive the state, or when a failed collective made
-        # the survivors roll back (each to its own last commit).
-        needs_sync=gen is None or bool(joined) or broken,
         joined=joined,
         removed=removed,
         dropped=dropped,

@@ -209,7 +209,7 @@ class RunWriter:
         keys = self.keys
         rec = GenerationRecord(
             number=plan.number, roster=list(plan.roster), reason=plan.reason,
-            needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=time.time(),
+            written_by=self.member_id, written_unix=time.time(),
             joined=list(plan.joined), removed=list(plan.removed), detected_unix=detected_unix,
             causes=list(plan.causes),
         )
