@@ -15,12 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from peer_elastic import threads
 from peer_elastic.cli.etcd import start_etcd
 from peer_elastic.cli.exit_codes import CommandFailed, ExitCode
 from peer_elastic.cli.parser import chosen_log_level
@@ -227,7 +227,7 @@ def _run_peers(cmd: list[str], envs: Sequence[Mapping[str, str]], output: Output
                 p.send_signal(signal.SIGTERM)
 
     # The watch starts beside the peers: an etcd slow to answer must not delay them.
-    threading.Thread(target=track, name="rank-tracker", daemon=True).start()
+    threads.start(track, "rank-tracker")
     mux = Multiplexer(label, output, sys.stdout.buffer, sys.stderr.buffer)
     old_int = signal.signal(signal.SIGINT, forward)
     old_term = signal.signal(signal.SIGTERM, forward)
