@@ -140,21 +140,10 @@ def join(
     metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
     probe: ProbeListener | None = None
     try:
-        # Which address this peer's groups use (gloo's own pick can be 127.0.1.1), and a
-        # listener on it so that the others can check they reach it before forming a group.
-        net = select_address((e.host, e.port) for e in getattr(client, "endpoints", ()))
-        log.info("process groups use %s (%s%s)", net.address or "gloo's choice", net.how,
-                 f", interface {net.ifname}" if net.ifname else "")
-        if net.address:
-            try:
-                probe = ProbeListener(net.address)
-            except OSError as exc:
-                raise ConfigError(f"cannot listen on {net.address}, the address chosen for "
-                                  f"this peer's process groups ({net.how}): {exc}; "
-                                  f"{netaddr.FIX}") from None
+        net_address, probe = _group_address(client)
         coord = Coordinator(client, job, job_settings, host=host, labels=labels,
                             local_rank=local_rank, address=metrics.address,
-                            net_address=net.address, probe_port=probe.port if probe else 0)
+                            net_address=net_address, probe_port=probe.port if probe else 0)
     except BaseException:
         if probe is not None:
             probe.close()
@@ -165,40 +154,72 @@ def join(
     on_sigterm: SignalRelay | None = None
     _enter_open_joins()
     try:
-        coord.start()
-        logs.set_context(member=coord.member_id)
-        peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
-                          abandon_hung_collectives)
-        if handle_sigterm and threading.current_thread() is threading.main_thread():
-            on_sigterm = SignalRelay((signal.SIGTERM,), _leave_on_signal(coord)).install()
-        _active = peer
-        yield peer
+        with _exit_with_the_jobs_verdict():
+            coord.start()
+            logs.set_context(member=coord.member_id)
+            peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
+                              abandon_hung_collectives)
+            if handle_sigterm and threading.current_thread() is threading.main_thread():
+                on_sigterm = SignalRelay((signal.SIGTERM,), _leave_on_signal(coord)).install()
+            _active = peer
+            yield peer
+    finally:
+        _active = None
+        if on_sigterm is not None:
+            on_sigterm.uninstall()
+        _close_join(peer, coord, client, metrics, probe)
+
+
+def _group_address(client: EtcdClient) -> tuple[str, ProbeListener | None]:
+    """Which address this peer's groups use (gloo's own pick can be 127.0.1.1; "" leaves it
+    to gloo), and a listener on it, so that the others can check they reach it before
+    forming a group."""
+    net = select_address((e.host, e.port) for e in getattr(client, "endpoints", ()))
+    log.info("process groups use %s (%s%s)", net.address or "gloo's choice", net.how,
+             f", interface {net.ifname}" if net.ifname else "")
+    if not net.address:
+        return net.address, None
+    try:
+        return net.address, ProbeListener(net.address)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {net.address}, the address chosen for "
+                          f"this peer's process groups ({net.how}): {exc}; "
+                          f"{netaddr.FIX}") from None
+
+
+@contextlib.contextmanager
+def _exit_with_the_jobs_verdict() -> Iterator[None]:
+    """A job that finished or failed as a whole ends this process with one line and the
+    job's verdict as the exit code."""
+    try:
+        yield
     except JobFinished as exc:
-        # A late joiner or a standby of a finished job: one line, and the job's verdict as
-        # the exit code: 0 when it succeeded, EXIT_JOB_FAILED when it failed, so a unit with
-        # Restart=on-failure and RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
+        # A late joiner or a standby of a finished job: 0 when it succeeded,
+        # EXIT_JOB_FAILED when it failed, so a unit with Restart=on-failure and
+        # RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(0 if exc.success else EXIT_JOB_FAILED) from None
     except (ElasticTimeout, ResetLimitExceeded, ShardedStateLost) as exc:
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_JOB_FAILED) from None
-    finally:
-        _active = None
-        if on_sigterm is not None:
-            on_sigterm.uninstall()
-        if peer is not None:
-            peer.close()
-        coord.close(leave=True)
-        client.close()
-        metrics.close()
-        if probe is not None:
-            probe.close()
-        # Last: no thread of this peer may still run when the process exits after join()
-        # (peer_elastic.threads). Each was asked to stop above; this only waits, and only
-        # when no other join() of this process is open (its threads run on, by design).
-        if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
-            log.warning("threads still running %.0f s after the peer closed (the process "
-                        "may abort or hang at exit): %s", THREADS_END_WAIT_S, ", ".join(left))
+
+
+def _close_join(peer: Peer | None, coord: Coordinator, client: EtcdClient,
+                metrics: PeerMetrics | NoopMetrics, probe: ProbeListener | None) -> None:
+    """Everything :func:`join` opened, closed: the peer leaves the job gracefully."""
+    if peer is not None:
+        peer.close()
+    coord.close(leave=True)
+    client.close()
+    metrics.close()
+    if probe is not None:
+        probe.close()
+    # Last: no thread of this peer may still run when the process exits after join()
+    # (peer_elastic.threads). Each was asked to stop above; this only waits, and only
+    # when no other join() of this process is open (its threads run on, by design).
+    if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
+        log.warning("threads still running %.0f s after the peer closed (the process "
+                    "may abort or hang at exit): %s", THREADS_END_WAIT_S, ", ".join(left))
 
 
 if join.__doc__:  # None under python -OO
