@@ -36,18 +36,20 @@ from dataclasses import dataclass
 
 from peer_elastic import threads
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import ConfigError, EtcdError, LeaveRequested, PeerElasticError
+from peer_elastic.errors import EtcdError, PeerElasticError
 from peer_elastic.etcd.admin import drain
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.deaths import DeathProber
-from peer_elastic.etcd.done import FINISH_TIMEOUT_S, done_error
+from peer_elastic.etcd.done import FINISH_TIMEOUT_S
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.lease import Lane, LeaseKeeper, Session
-from peer_elastic.etcd.registration import Identity, default_host, register
+from peer_elastic.etcd.owed_acks import OwedAcks
+from peer_elastic.etcd.registration import Identity, register
 from peer_elastic.etcd.rejoin import Listing, Rejoin
-from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
+from peer_elastic.etcd.reports import MemberReports
+from peer_elastic.etcd.stop import participation_end
 from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
 from peer_elastic.records import (
@@ -57,7 +59,6 @@ from peer_elastic.records import (
     JobConfig,
     ProgressRecord,
     RunRecord,
-    valid_name,
 )
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,16 @@ class Assignment:
     joined: bool  # admitted in this generation (a newcomer or a returning member)
     reason: str  # for humans
     causes: tuple[GenerationCause, ...] = ()  # why the generation formed, typed
+
+    @classmethod
+    def of(cls, snap: ViewSnapshot, member_id: str) -> Assignment | None:
+        """``member_id``'s place in ``snap``'s generation, or None (a standby, or no
+        generation yet)."""
+        gen = snap.generation
+        if gen is None or member_id not in snap.roster_ids():
+            return None
+        return cls(gen.number, list(gen.roster).index(member_id), len(gen.roster),
+                   tuple(gen.roster), member_id in gen.joined, gen.reason, tuple(gen.causes))
 
 
 class _Closed(PeerElasticError):
@@ -106,14 +117,10 @@ class Coordinator:
         self.settings = settings or JobSettings()
         self.config: JobConfig = self.settings.resolved()  # validates before touching etcd
         self._config_source: JobConfig | None = None  # the run record's, self.config is from
-        self.host = host or default_host()
-        if not valid_name(self.host):
-            raise ConfigError(f"invalid host name {self.host!r} for a member id")
-        self.address = address
+        self.identity = Identity.of_this_process(host, address, local_rank, labels,
+                                                 net_address, probe_port)
+        self.host = self.identity.host
         self.local_rank = local_rank
-        self.labels = dict(labels or {})
-        self.identity = Identity(self.host, address, local_rank, self.labels, net_address,
-                                 probe_port)
         self.view = view or JobView(client, job)
         self._own_keeper = keeper is None
         self._keeper = keeper
@@ -127,8 +134,7 @@ class Coordinator:
         self.incarnation = 0
         self._session: Session | None = None
         self._lock = threading.Lock()  # guards _session / member_id / error across threads
-        self._acked: set[int] = set()
-        self._alive_acked: set[int] = set()
+        self._acks = OwedAcks()
         self.drain_requested = threading.Event()
         self.error: PeerElasticError | None = None
         self._stop = threading.Event()
@@ -139,6 +145,7 @@ class Coordinator:
         self.leader = Leader(job, counters=self.counters)
         self.rejoin = Rejoin(self.counters, self.view.wake, auto=auto_rejoin)
         self.deaths = DeathProber(on_confirmed=self.view.wake)
+        self.reports = MemberReports(self._current_writer)
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -176,8 +183,7 @@ class Coordinator:
                 self.leader.writer = self.writer
                 self._session = reg.session
                 self.member_id = reg.member_id
-                self._acked.clear()
-                self._alive_acked.clear()
+                self._acks.forget()
                 self.rejoin.registered()
         if closed:
             reg.session.close(revoke=True)
@@ -215,6 +221,11 @@ class Coordinator:
         """
         self.rejoin.hold(until)
 
+    def _current_writer(self) -> tuple[RunWriter | None, int | None]:
+        """This registration's writer and member lease id, read together (None: lost)."""
+        with self._lock:
+            return self.writer, (self._session.lease_id if self._session else None)
+
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
         self._fail(PeerElasticError(
             f"run {self.run.run_id if self.run else '?'} of job {self.job!r} ended: its lease "
@@ -247,26 +258,14 @@ class Coordinator:
 
     def assignment(self, snap: ViewSnapshot | None = None) -> Assignment | None:
         """Our place in the current generation, or None (standby, or no generation yet)."""
-        snap = snap or self.snapshot()
-        gen = snap.generation
-        if gen is None or self.member_id not in snap.roster_ids():
-            return None
-        return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
-                          tuple(gen.roster), self.member_id in gen.joined, gen.reason,
-                          tuple(gen.causes))
+        return Assignment.of(snap or self.snapshot(), self.member_id)
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
         """Raise whatever ends this peer's participation: fatal error, done, a drain that
         took effect (decided by :func:`~peer_elastic.etcd.stop.stop_reason`)."""
-        snap = snap or self.snapshot()
-        reason = stop_reason(self, None, snap, causes=LEAVE_JOB)
-        if reason is None:
-            return
-        if reason.cause is StopCause.FATAL and self.error is not None:
-            raise self.error
-        if reason.cause is StopCause.JOB_DONE and snap.done is not None:
-            raise done_error(self.job, snap.done)
-        raise LeaveRequested(reason.detail)
+        error = participation_end(self, snap or self.snapshot())
+        if error is not None:
+            raise error
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -315,43 +314,18 @@ class Coordinator:
     # -- actions requested by the training side ---------------------------------------------------
 
     def mark_broken(self, generation: int, detail: str = "") -> bool:
-        """Say that a collective of ``generation`` failed, so the leader proposes the next now.
-
-        Best effort; False when etcd did not take it (unreachable, or our lease is gone).
-        The caller is on its way to re-form either way, and must not die of this: the
-        leader also learns of the failure from the other ranks' marks, or at worst from the
-        missing acks of the peer that failed; a lost lease is handled by rejoining.
-        """
-        return self._best_effort(
-            f"mark generation {generation} broken",
-            lambda w, lease: w.ack(AckKind.BROKEN, generation, lease, detail[:500]))
+        """Say that a collective of ``generation`` failed, so the leader proposes the next
+        now; best effort (:meth:`MemberReports.mark_broken
+        <peer_elastic.etcd.reports.MemberReports.mark_broken>`)."""
+        return self.reports.mark_broken(generation, detail)
 
     def report_unreachable(self, members: Collection[str], generation: int) -> bool:
-        """Record that this member's process groups cannot reach ``members`` (best effort,
-        as :meth:`mark_broken`; :mod:`~peer_elastic.etcd.reach`)."""
-        return self._best_effort(
-            f"report unreachable members {sorted(members)}",
-            lambda w, lease: w.report_unreachable(members, generation, lease))
+        """Record that this member's process groups cannot reach ``members`` (best effort)."""
+        return self.reports.report_unreachable(members, generation)
 
     def clear_unreachable(self) -> bool:
         """Withdraw this member's report: everyone it named answers again (best effort)."""
-        return self._best_effort("withdraw the report of unreachable members",
-                                 lambda w, _lease: w.clear_unreachable())
-
-    def _best_effort(self, what: str, write: Callable[[RunWriter, int], object]) -> bool:
-        """``write`` with this registration's writer and member lease; False (logged) when
-        there is no registration (none yet, or its lease was lost) or etcd did not take it."""
-        with self._lock:
-            writer, session = self.writer, self._session
-        if writer is None or session is None:
-            log.info("could not %s: this peer has no registration now", what)
-            return False
-        try:
-            write(writer, session.lease_id)
-        except EtcdError as exc:
-            log.warning("could not %s: %s", what, exc)
-            return False
-        return True
+        return self.reports.clear_unreachable()
 
     def request_leave(self, requested_by: str = "") -> None:
         """Ask to be drained: the next generation forms without this peer, with no rollback."""
@@ -366,10 +340,8 @@ class Coordinator:
 
     def record_state(self, commits: int, generation: int) -> None:
         """Say in etcd that the run's training state has ``commits`` commits (rank 0 calls
-        this after commits; a group that forms with no holder of the state reads it).
-        Best effort: the next commit's mark says it again."""
-        self._best_effort("record the state's commits",
-                          lambda w, _lease: w.state(commits, generation))
+        this after commits); best effort."""
+        self.reports.record_state(commits, generation)
 
     def finish(self, success: bool = True, reason: str = "",
                timeout_s: float = FINISH_TIMEOUT_S) -> bool:
@@ -480,15 +452,8 @@ class Coordinator:
             return None  # our registration has not reached the view yet
         now = time.monotonic()
         self.leader.observe(snap, now)  # silence clocks start when we see, even if acks fail
-        gen = snap.generation
-        if gen is not None:
-            self._acked &= {gen.number - 1, gen.number}
-            self._alive_acked &= {gen.number - 1, gen.number}
-            listed = self.member_id in snap.roster_ids()
-            if listed and gen.number not in self._acked:
-                self._ack(gen.number)
-            if snap.broken.get(gen.number) and listed and gen.number not in self._alive_acked:
-                self._ack(gen.number, alive=True)  # proof of life after the break
+        for kind in self._acks.owed(snap, self.member_id):
+            self._ack(kind, snap.generation_number)
         if self.member_id in snap.drains:
             self.drain_requested.set()
         if snap.run.config is not self._config_source:  # a new run record: adopt it
@@ -498,10 +463,10 @@ class Coordinator:
         self.deaths.update(snap, self.member_id)
         return self.leader.step(snap, now, self.deaths.confirmed())
 
-    def _ack(self, n: int, alive: bool = False) -> None:
+    def _ack(self, kind: AckKind, n: int) -> None:
         assert self.writer is not None
-        self.writer.ack(AckKind.ALIVE if alive else AckKind.READY, n, self.lease_id)
-        (self._alive_acked if alive else self._acked).add(n)
+        self.writer.ack(kind, n, self.lease_id)
+        self._acks.given(kind, n)
 
     def _end_registration(self) -> None:
         """Revoke the lost registration's lease (rejoin's first step)."""

@@ -12,7 +12,7 @@ own:
   (:data:`ABANDON_RENDEZVOUS` until every member passed its commit point; after that, only
   when the group cannot complete: :data:`CANNOT_COMPLETE`)
 * :meth:`Coordinator.check <peer_elastic.etcd.coordinator.Coordinator.check>`: does this
-  peer's participation end? (:data:`LEAVE_JOB`)
+  peer's participation end? (:data:`LEAVE_JOB`; the error it raises: :func:`participation_end`)
 
 What it reads of the coordinator is :class:`CoordinatorFacts`, so this module sits below the
 coordinator, which asks it too.
@@ -32,7 +32,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from peer_elastic.errors import PeerElasticError
+from peer_elastic.errors import LeaveRequested, PeerElasticError
+from peer_elastic.etcd.done import done_error
 from peer_elastic.etcd.view import ViewSnapshot
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "GroupRef",
     "StopCause",
     "StopReason",
+    "participation_end",
     "stop_reason",
 ]
 
@@ -152,6 +154,20 @@ def stop_reason(coord: CoordinatorFacts, group: GroupRef | None,
             if reason is not None:
                 return reason
     return None
+
+
+def participation_end(coord: CoordinatorFacts, snap: ViewSnapshot) -> PeerElasticError | None:
+    """The error that ends this peer's participation in the job (:data:`LEAVE_JOB`), or None:
+    the coordinator's fatal error, the job's end (:func:`~peer_elastic.etcd.done.done_error`),
+    or :class:`~peer_elastic.errors.LeaveRequested` once a drain took effect."""
+    reason = stop_reason(coord, None, snap, causes=LEAVE_JOB)
+    if reason is None:
+        return None
+    if reason.cause is StopCause.FATAL and coord.error is not None:
+        return coord.error
+    if reason.cause is StopCause.JOB_DONE and snap.done is not None:
+        return done_error(coord.job, snap.done)
+    return LeaveRequested(reason.detail)
 
 
 def _check(cause: StopCause, coord: CoordinatorFacts, group: GroupRef | None,
