@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.state import TorchState
+from peer_elastic.state.agreement import Claim, StateVersion
 from peer_elastic.torch.collectives import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_DIRECT_BYTES,

@@ -10,7 +10,7 @@ One pass of :meth:`Peer.run`::
     -> reset callbacks on every rank (they see the new world size and may use collectives)
     -> agree on state: one all-gather of every rank's (needs state?, state version); sync
        from the lowest rank holding the newest version unless all hold the same one
-       (peer_elastic.agreement)
+       (peer_elastic.state.agreement)
     -> call the training function
          HostsUpdatedInterrupt -> keep live state, back to the top
          a failed collective   -> restore the last commit, mark the generation broken,
@@ -36,8 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from peer_elastic import logs, threads
-from peer_elastic.agreement import Agreement, Claim, StateVersion
+from peer_elastic import logs
 from peer_elastic.durable.service import DurableSnapshots
 from peer_elastic.durable.writer import SnapshotInfo
 from peer_elastic.errors import (
@@ -49,12 +48,14 @@ from peer_elastic.errors import (
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
-from peer_elastic.lost_state import StateMarker, lost_state
-from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
+from peer_elastic.process import threads
+from peer_elastic.process.memo import IdentityMemo
 from peer_elastic.sharded.durable import ShardedSnapshots
 from peer_elastic.sharded.regroup import regroup
 from peer_elastic.sharded.state import ShardedState
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion
+from peer_elastic.state.lost_state import StateMarker, lost_state
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
@@ -111,7 +112,7 @@ class Peer:
         self._state: Any = None  # the state given to run()
         self._synced_once = False
         self._restored = False  # since the last reset (for metrics)
-        # The version of the live state and of the last commit (peer_elastic.agreement).
+        # The version of the live state and of the last commit (peer_elastic.state.agreement).
         self._live = StateVersion()
         self._committed = StateVersion()
         self.resets = 0
@@ -119,7 +120,7 @@ class Peer:
         self.reset_log: list[dict[str, Any]] = []
         self._pending_timing: dict[str, Any] | None = None
         self._progress = _Publisher(coordinator)
-        # Rank 0 says in etcd that the state has commits (peer_elastic.lost_state).
+        # Rank 0 says in etcd that the state has commits (peer_elastic.state.lost_state).
         self._marker = StateMarker(self._progress.offer_state)
         # peer_elastic.metrics.PeerMetrics, or None when off (a NoopMetrics is falsy): then
         # nothing wraps the per-step check, and the other hooks go to a NoObserver.
@@ -206,7 +207,7 @@ class Peer:
         Then, in this order: merge the progress some rank recorded only locally (only when
         some rank has such progress), save the commit, raise if a new generation is pending.
         A rank whose collective fails never gets to save or keep the step: it restores its
-        last commit, whose progress was merged (see ``peer_elastic.agreement``).
+        last commit, whose progress was merged (see ``peer_elastic.state.agreement``).
         """
         group = self._group
         if group is None:
@@ -291,7 +292,7 @@ class Peer:
         Asked at every check and every optimizer step. It depends only on the group, the
         watched view's snapshot, the coordinator's fatal error and its registration (what
         ``_want`` reads), so while those are the same objects the last answer stands
-        (:mod:`peer_elastic.memo`): deciding it anew walked the stop causes every step.
+        (:mod:`peer_elastic.process.memo`): deciding it anew walked the stop causes every step.
         """
         coord = self.coordinator
         facts = (group, snap, coord.error, coord.incarnation)
@@ -477,7 +478,7 @@ class Peer:
         def resume(claims: Sequence[Claim]) -> Agreement | None:
             # agree_and_sync calls this on every rank exactly when no rank holds trained
             # state (the first group of a run, or every holder lost), or when a snapshot is
-            # newer than every version held (peer_elastic.lost_state says what was lost).
+            # newer than every version held (peer_elastic.state.lost_state says what was lost).
             nonlocal resumed
             resumed = True
             return resume_from_snapshot(claims) if resume_from_snapshot is not None else None
@@ -647,7 +648,7 @@ class Peer:
 
 class _Publisher:
     """Writes progress (the newest, at most once a second), the state's commit count
-    (peer_elastic.lost_state) and events from a thread, so the training thread never waits
+    (peer_elastic.state.lost_state) and events from a thread, so the training thread never waits
     on etcd."""
 
     def __init__(self, coordinator: Coordinator, period_s: float = 1.0) -> None:

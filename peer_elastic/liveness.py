@@ -66,7 +66,7 @@ from enum import Enum
 from types import FrameType
 from typing import IO, Any
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class PeerStats:
     check_exchanges: int = 0
     checks_spaced: int = 0
     #: Groups this peer formed with no holder of a state that had commits: every peer that
-    #: held it was lost at once (peer_elastic.lost_state).
+    #: held it was lost at once (peer_elastic.state.lost_state).
     states_lost: int = 0
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from peer_elastic.etcd.deaths import (
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.probe_listener import ProbeListener
+from peer_elastic.process.probe_listener import ProbeListener
 from peer_elastic.records import MemberRecord
 from tests.helpers import views
 from tests.helpers.fakes import FakeWrites

@@ -27,7 +27,7 @@ from peer_elastic.cli.parser import chosen_log_level
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK, LOG_LEVEL
 
 if TYPE_CHECKING:  # imported where used: the etcd client is slow to import

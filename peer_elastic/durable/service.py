@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion
 from peer_elastic.durable.layout import SnapshotDir
 from peer_elastic.durable.resume import resume
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter, Written
@@ -25,6 +24,7 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.snapshot_records import forget_snapshots, record_snapshot
 from peer_elastic.observer import PeerStats
 from peer_elastic.records import JobConfig, SnapshotRecord
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion
 
 __all__ = ["DurableSnapshots"]
 

@@ -31,7 +31,7 @@ import grpc
 import tenacity
 from etcd3 import etcdrpc
 
-from peer_elastic import settings_table, threads
+from peer_elastic import settings_table
 from peer_elastic.errors import (
     ClientClosed,
     ConfigError,
@@ -51,6 +51,7 @@ from peer_elastic.etcd.tls import (
     certificate_problem,
     connection_hint,
 )
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import (
     ConfigError,
@@ -55,6 +54,7 @@ from peer_elastic.etcd.registration import Identity, default_host, register
 from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
 from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
+from peer_elastic.process import threads
 from peer_elastic.records import (
     DoneCause,
     GenerationCause,

@@ -45,9 +45,9 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from peer_elastic import threads
-from peer_elastic.netaddr import plain_ip
-from peer_elastic.process_sockets import open_socket, socket_inodes, tcp_ends
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import plain_ip
+from peer_elastic.process.sockets import open_socket, socket_inodes, tcp_ends
 
 log = logging.getLogger(__name__)
 

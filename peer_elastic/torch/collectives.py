@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from peer_elastic.agreement import (
+from peer_elastic.state.agreement import (
     Agreement,
     Claim,
     StateVersion,
@@ -35,7 +35,7 @@ from peer_elastic.agreement import (
     new_lineage,
     should_resume,
 )
-from peer_elastic.codec import decode_values, encode_values
+from peer_elastic.state.codec import decode_values, encode_values
 from peer_elastic.torch.direct_all_reduce import start_all_reduce
 from peer_elastic.torch.snapshots import copy_all
 
@@ -520,7 +520,7 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
     """Agree on the newest state version, then sync from a rank holding it if needed.
 
     Collective over the default group. One all-gather of every rank's :class:`Claim` (a few
-    integers each); every rank applies :func:`peer_elastic.agreement.agree` to the same list,
+    integers each); every rank applies :func:`peer_elastic.state.agreement.agree` to the same list,
     so all sync from the same source, or all skip the sync when every rank already holds the
     same version and nobody asked for state. Every rank that holds the newest version and
     did not ask for state helps send it (:func:`syncing_from`'s holders: striped when some
@@ -530,7 +530,7 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
     holder whose restore point already is that version skip the copy.
 
     ``resume`` (durable snapshots) is called on every rank with the gathered claims when
-    :func:`~peer_elastic.agreement.should_resume` says so: no rank holds trained state, or
+    :func:`~peer_elastic.state.agreement.should_resume` says so: no rank holds trained state, or
     some rank sees a snapshot newer than every version held. It is collective, and returns
     the agreement to sync by when some rank loaded a snapshot into its live state, else
     None. A group that starts from the initial state starts a new lineage.

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peer_elastic.netaddr import plain_ip
+from peer_elastic.process.netaddr import plain_ip
 
 __all__ = ["GlooListeners", "GlooRankRecord", "parse_gloo_rank"]
 

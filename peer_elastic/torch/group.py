@@ -36,7 +36,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from peer_elastic import threads
 from peer_elastic.errors import ConfigError, PeerElasticError
 from peer_elastic.etcd.coordinator import Assignment, Coordinator
 from peer_elastic.etcd.deaths import ProbeTarget, all_gone, probeable, refusing
@@ -49,10 +48,11 @@ from peer_elastic.etcd.stop import (
     stop_reason,
 )
 from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.observer import PeerStats
-from peer_elastic.parent_only_sockets import ParentOnlySockets
-from peer_elastic.process_sockets import keep_from_exec
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import FIX, host_port, is_loopback, probe
+from peer_elastic.process.parent_only_sockets import ParentOnlySockets
+from peer_elastic.process.sockets import keep_from_exec
 from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.gloo_records import GlooListeners
@@ -188,7 +188,7 @@ class GroupManager:
         self._connections = GroupConnections()
         # This peer's gloo sockets, and the connections its abandons hold, are kept from the
         # processes it forks (DataLoader workers): a child must not keep them open once this
-        # peer dies (peer_elastic.parent_only_sockets).
+        # peer dies (peer_elastic.process.parent_only_sockets).
         self._parent_only = ParentOnlySockets()
         # A group made since the last close-on-exec marking (keep_connections_from_exec).
         self._unmarked = False
@@ -428,7 +428,7 @@ class GroupManager:
     def keep_connections_from_exec(self) -> int:
         """Mark the current generation's gloo connections close-on-exec (gloo opens them
         without), subgroups made so far included; how many. Forked children are handled
-        apart (peer_elastic.parent_only_sockets); a program run by ``os.system`` or
+        apart (peer_elastic.process.parent_only_sockets); a program run by ``os.system`` or
         ``posix_spawn`` gets no Python between fork and exec, and would hold them open
         for as long as it runs."""
         self._unmarked = False  # first: a group made during the scan marks it again
@@ -473,7 +473,7 @@ class GroupManager:
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
 
-    # -- reachability of the roster's advertised addresses (peer_elastic.netaddr) ---------------
+    # -- reachability of the roster's advertised addresses (peer_elastic.process.netaddr) ---------------
 
     def waited_on_peers(self, waited_s: float) -> None:
         """The training thread has waited on its peers for ``waited_s`` without a break (the

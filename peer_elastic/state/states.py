@@ -12,8 +12,8 @@ Why it is shaped this way:
 * ``sync`` runs after resets, when everybody waits for it, so it sends tensors in large flat
   buckets (``peer_elastic.torch.collectives``) instead of one pickled object per tensor.
 * Anything received from another peer is untrusted input: plain values travel as tagged JSON
-  (``peer_elastic.codec``), never pickle. Other types need a handler
-  (``peer_elastic.handlers``).
+  (``peer_elastic.state.codec``), never pickle. Other types need a handler
+  (``peer_elastic.state.handlers``).
 
 How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
 
@@ -31,7 +31,7 @@ How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
 
 The checker makes a commit safe under failures: it first agrees with the other ranks (one
 all-reduce), merges progress some rank recorded only locally (``record_indices``), and only
-then calls ``record_commit()`` (save and count); see ``peer_elastic.agreement``.
+then calls ``record_commit()`` (save and count); see ``peer_elastic.state.agreement``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.handlers import (
+from peer_elastic.state.codec import copy_plain, decode_values, encode_values
+from peer_elastic.state.handlers import (
     StateHandler,
     describe_for_sync,
     make_handler,

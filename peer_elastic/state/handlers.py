@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.sampler import ElasticSampler
+from peer_elastic.state.codec import copy_plain, decode_values, encode_values
+from peer_elastic.state.sampler import ElasticSampler
 from peer_elastic.torch.collectives import (
     broadcast_bytes,
     broadcast_plain,
