@@ -51,7 +51,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.state import TorchState
 from peer_elastic.state.agreement import Claim, StateVersion
-from peer_elastic.torch.collectives import (
+from peer_elastic.torch.transport.collectives import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_DIRECT_BYTES,
     DEFAULT_SPLIT_BYTES,
@@ -61,7 +61,7 @@ from peer_elastic.torch.collectives import (
     plan_buckets,
     syncing_from,
 )
-from peer_elastic.torch.snapshots import copy_all
+from peer_elastic.torch.transport.snapshots import copy_all
 
 WORKER_TIMEOUT_S = 1800
 # millions of parameters -> layer width (default 2048). 5M at width 128 is a deep model:

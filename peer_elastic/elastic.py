@@ -56,13 +56,13 @@ from peer_elastic.sharded.regroup import regroup
 from peer_elastic.sharded.state import ShardedState
 from peer_elastic.state.agreement import Agreement, Claim, StateVersion
 from peer_elastic.state.lost_state import StateMarker, lost_state
-from peer_elastic.torch.abort import HangWatchdog
-from peer_elastic.torch.check_cadence import CheckCadence
-from peer_elastic.torch.collectives import agree_and_sync
+from peer_elastic.torch.check.check_cadence import CheckCadence
+from peer_elastic.torch.check.max_exchange import MaxExchange
+from peer_elastic.torch.check.pending_check import PendingCheck
+from peer_elastic.torch.check.reset_vote import Ballot, ResetVote, voting
+from peer_elastic.torch.gloo.abort import HangWatchdog
 from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
-from peer_elastic.torch.max_exchange import MaxExchange
-from peer_elastic.torch.pending_check import PendingCheck
-from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
+from peer_elastic.torch.transport.collectives import agree_and_sync
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +190,15 @@ class Peer:
         No etcd I/O: the newest generation comes from the watched view in memory.
 
         A plain check completes the generation exchange the previous check issued
-        (:mod:`peer_elastic.torch.pending_check`) and issues the next one, so it waits on
+        (:mod:`peer_elastic.torch.check.pending_check`) and issues the next one, so it waits on
         nobody unless a rank is behind: every rank completes the same op at the same call
         and so decides the same there, one check after a rank first saw the change. When
         checks come faster than an exchange is worth, only every P-th plain check exchanges
         (P agreed by the exchange, the same on every rank; at most 20 ms of checks,
-        :mod:`peer_elastic.torch.check_cadence`); the others return at once. When a
+        :mod:`peer_elastic.torch.check.check_cadence`); the others return at once. When a
         ``DistributedOptimizer`` step (or a DDP backward pass with ``pe.allreduce_hook``) ran
         since the last check, its gradient all-reduce already carried the same bit
-        (:mod:`peer_elastic.torch.reset_vote`): the check takes that and issues nothing, so
+        (:mod:`peer_elastic.torch.check.reset_vote`): the check takes that and issues nothing, so
         it runs no collective at all.
 
         A commit, and a plain check whose completed exchange says a reset is due, need to
@@ -327,7 +327,7 @@ class Peer:
                 try:
                     self._reset(state, after)
                     # only time in training() can be a hang; voting(): optimizer steps carry
-                    # the reset vote (peer_elastic.torch.reset_vote)
+                    # the reset vote (peer_elastic.torch.check.reset_vote)
                     with self._liveness.training(), voting(self._vote):
                         result = func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt as exc:

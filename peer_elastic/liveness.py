@@ -85,13 +85,13 @@ RESPONSE_BUDGET_S = 60.0
 # Frames that mean "waiting on other peers". DDP's forward broadcasts buffers, and its
 # all-reduces run inside backward, called from the autograd engine. DistributedOptimizer's
 # all-reduce and the commit's exchange skip torch's Python wrapper
-# (peer_elastic/torch/direct_all_reduce.py), so no frame of theirs lies under
+# (peer_elastic/torch/transport/direct_all_reduce.py), so no frame of theirs lies under
 # torch/distributed/: that module only issues and waits on collectives, and its frames count
-# as such. So do the state sync's (peer_elastic/torch/collectives.py: it waits on its
+# as such. So do the state sync's (peer_elastic/torch/transport/collectives.py: it waits on its
 # buckets' and layout check's works itself, with no torch frame under it).
 _PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py",
-                    "/peer_elastic/torch/direct_all_reduce.py",
-                    "/peer_elastic/torch/collectives.py")
+                    "/peer_elastic/torch/transport/direct_all_reduce.py",
+                    "/peer_elastic/torch/transport/collectives.py")
 _AUTOGRAD_PATH = "/torch/autograd/"
 _BACKWARD_NAMES = frozenset({"backward", "grad", "_engine_run_backward", "run_backward"})
 

@@ -42,7 +42,7 @@ class PeerStats:
     snapshots_failed: int = 0
     snapshots_skipped: int = 0
     #: Plain checks that ran the generation exchange themselves, and those that returned
-    #: without one, between two (checks coming fast: peer_elastic.torch.check_cadence).
+    #: without one, between two (checks coming fast: peer_elastic.torch.check.check_cadence).
     check_exchanges: int = 0
     checks_spaced: int = 0
     #: Groups this peer formed with no holder of a state that had commits: every peer that

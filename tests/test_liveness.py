@@ -34,7 +34,7 @@ from peer_elastic.liveness import (
     thread_waits_on_peers,
 )
 from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
-from peer_elastic.torch import collectives, direct_all_reduce
+from peer_elastic.torch.transport import collectives, direct_all_reduce
 from tests.helpers import views
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.fakes import FakeClock

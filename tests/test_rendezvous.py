@@ -11,7 +11,7 @@ waits for the newer generation before reading its peers'. The commit point
 
 A member killed right after publishing its address strands the others the same way, and
 no commit point helps there. Once its death supersedes the generation, each rank's
-formation guard (``peer_elastic.torch.stranded_connect``) hands gloo's waiting pairs a
+formation guard (``peer_elastic.torch.gloo.stranded_connect``) hands gloo's waiting pairs a
 closed socket; as a backstop, groups form under a shorter timeout
 (``GroupManager.init_timeout_s``), which bounds the wait at five times that.
 """

@@ -25,7 +25,7 @@ from peer_elastic.state.handlers import (
     unregister_handler,
 )
 from peer_elastic.state.sampler import ElasticSampler
-from peer_elastic.torch.collectives import (
+from peer_elastic.torch.transport.collectives import (
     SourceCannotSend,
     broadcast_bytes,
     broadcast_plain,
@@ -586,7 +586,7 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
 
 def _striped_worker(rank: int, world: int, outdir: Path) -> None:
     from peer_elastic.state.agreement import Claim, StateVersion
-    from peer_elastic.torch.collectives import agree_and_sync
+    from peer_elastic.torch.transport.collectives import agree_and_sync
 
     out: dict[str, Any] = {}
     holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
@@ -647,7 +647,7 @@ def test_a_large_packed_bucket_is_cut_at_the_tensor_boundary_nearest_its_middle(
 
 
 def test_syncing_from_requires_the_source_among_the_holders() -> None:
-    from peer_elastic.torch.collectives import shard_bounds, sync_holders, syncing_from
+    from peer_elastic.torch.transport.collectives import shard_bounds, sync_holders, syncing_from
 
     with pytest.raises(ValueError, match="not among the holders"):
         with syncing_from(2, holders=(0, 1)):

@@ -47,7 +47,7 @@ from peer_elastic.durable.layout import PLAIN, Manifest, SnapshotDir, SnapshotId
 from peer_elastic.process import threads
 from peer_elastic.state.agreement import StateVersion
 from peer_elastic.state.codec import encode_values
-from peer_elastic.torch.snapshots import copy_all
+from peer_elastic.torch.transport.snapshots import copy_all
 
 __all__ = ["SnapshotInfo", "SnapshotListener", "SnapshotWriter", "Staging", "Written"]
 

@@ -26,9 +26,9 @@ _LAZY = {
     "StateHandler": "peer_elastic.state.handlers",
     "register_handler": "peer_elastic.state.handlers",
     # For a custom handler's sync: where state comes from, and how it travels.
-    "sync_source": "peer_elastic.torch.collectives",
-    "broadcast_tensors": "peer_elastic.torch.collectives",
-    "broadcast_plain": "peer_elastic.torch.collectives",
+    "sync_source": "peer_elastic.torch.transport.collectives",
+    "broadcast_tensors": "peer_elastic.torch.transport.collectives",
+    "broadcast_plain": "peer_elastic.torch.transport.collectives",
 }
 
 __all__ = list(_LAZY)

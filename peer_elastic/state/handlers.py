@@ -3,7 +3,7 @@
 One :class:`StateHandler` per object: modules, optimizers, LR schedulers, samplers and
 tensors have built-in handlers; ``register_handler(type, factory)`` adds one for a user type
 (consulted first, in registration order). Handlers sync with the collectives of
-:mod:`peer_elastic.torch.collectives`, so nothing is pickled.
+:mod:`peer_elastic.torch.transport.collectives`, so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from torch import nn
 
 from peer_elastic.state.codec import copy_plain, decode_values, encode_values
 from peer_elastic.state.sampler import ElasticSampler
-from peer_elastic.torch.collectives import (
+from peer_elastic.torch.transport.collectives import (
     broadcast_bytes,
     broadcast_plain,
     broadcast_tensors,
     sync_source,
     world_size,
 )
-from peer_elastic.torch.snapshots import Buffers, copy_all, same_meta
+from peer_elastic.torch.transport.snapshots import Buffers, copy_all, same_meta
 
 __all__ = [
     "HandlerFactory",

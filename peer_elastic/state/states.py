@@ -8,9 +8,9 @@ by the run loop; rank 0 outside it) after a new process group is formed.
 Why it is shaped this way:
 
 * ``commit`` runs every few batches, so handlers copy tensors into buffers they keep
-  (``peer_elastic.torch.snapshots``) instead of ``deepcopy``/pickle per commit.
+  (``peer_elastic.torch.transport.snapshots``) instead of ``deepcopy``/pickle per commit.
 * ``sync`` runs after resets, when everybody waits for it, so it sends tensors in large flat
-  buckets (``peer_elastic.torch.collectives``) instead of one pickled object per tensor.
+  buckets (``peer_elastic.torch.transport.collectives``) instead of one pickled object per tensor.
 * Anything received from another peer is untrusted input: plain values travel as tagged JSON
   (``peer_elastic.state.codec``), never pickle. Other types need a handler
   (``peer_elastic.state.handlers``).
@@ -52,7 +52,7 @@ from peer_elastic.state.handlers import (
     make_handler,
     register_handler,
 )
-from peer_elastic.torch.collectives import (
+from peer_elastic.torch.transport.collectives import (
     LayoutCheck,
     SourceCannotSend,
     broadcast_bytes,

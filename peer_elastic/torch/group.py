@@ -12,12 +12,12 @@ lease is gone, the job is done, or this peer's registration changed. Giving up a
 publishing an address would leave the peers that read it connecting to a rank that left.
 A member that dies there anyway leaves its peers waiting inside gloo; once the group can
 never complete (the member's lease is gone, or its probe port refuses), each rank's
-:class:`~peer_elastic.torch.stranded_connect.FormingGuard` ends those waits, and a group
+:class:`~peer_elastic.torch.gloo.stranded_connect.FormingGuard` ends those waits, and a group
 formed after that is discarded.
 
 It also remembers the connections each group opened, so that a collective stuck on a peer
 whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
-:class:`~peer_elastic.torch.abort.HangWatchdog`).
+:class:`~peer_elastic.torch.gloo.abort.HangWatchdog`).
 
 Plain ``torch.distributed`` calls and DDP in user code use the group unchanged.
 """
@@ -53,14 +53,17 @@ from peer_elastic.process import threads
 from peer_elastic.process.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.process.parent_only_sockets import ParentOnlySockets
 from peer_elastic.process.sockets import keep_from_exec
-from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
 from peer_elastic.torch.barrier import Arrival, pass_barrier
-from peer_elastic.torch.gloo_records import GlooListeners
-from peer_elastic.torch.held_connections import HeldConnections
-from peer_elastic.torch.retired_groups import RetiredGroups
+from peer_elastic.torch.gloo.abort import GroupConnections, Loss, endpoint_matcher
+from peer_elastic.torch.gloo.gloo_records import GlooListeners
+from peer_elastic.torch.gloo.held_connections import HeldConnections
+from peer_elastic.torch.gloo.retired_groups import RetiredGroups
+from peer_elastic.torch.gloo.stranded_connect import FormingGuard
+from peer_elastic.torch.gloo.subgroup_timeout import (
+    bound_default_timeouts,
+    restore_default_timeouts,
+)
 from peer_elastic.torch.store import EtcdStore
-from peer_elastic.torch.stranded_connect import FormingGuard
-from peer_elastic.torch.subgroup_timeout import bound_default_timeouts, restore_default_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ def destroy_default_group(connections: GroupConnections) -> int:
 
     ``destroy_process_group`` closes gloo's connections only when the group object dies,
     and something usually keeps it alive: the manager itself for a while
-    (:mod:`peer_elastic.torch.retired_groups`), and a DDP wrapper (rebuilt in a reset
+    (:mod:`peer_elastic.torch.gloo.retired_groups`), and a DDP wrapper (rebuilt in a reset
     callback, the README's recipe) holds its group in its reducer. A peer blocked in that
     group's collective waiting on this one would then wait for the collective timeout
     instead of failing at once, as it does when this process's end of the connection
@@ -347,7 +350,7 @@ class GroupManager:
         and connections take milliseconds among live peers. A member killed in the middle
         leaves the others waiting inside gloo, out of reach, for five times the group timeout
         (measured on torch 2.13: 150 s at the default 30 s). The formation guard
-        (:mod:`peer_elastic.torch.stranded_connect`) frees them once the group can never
+        (:mod:`peer_elastic.torch.gloo.stranded_connect`) frees them once the group can never
         complete; as a backstop for when it cannot, the group is formed with this shorter
         timeout and given the collective timeout once formed: at least 5 s and
         four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
@@ -378,7 +381,7 @@ class GroupManager:
         group = self.current
         return group is None or group.incarnation == self.coordinator.incarnation
 
-    # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
+    # -- what the hang watchdog (peer_elastic.torch.gloo.abort.WatchedGroups) asks -------------------
 
     def current_group(self) -> FormedGroup | None:
         """The group this peer is in now (None between groups)."""

@@ -36,8 +36,8 @@ from peer_elastic.state.agreement import (
     should_resume,
 )
 from peer_elastic.state.codec import decode_values, encode_values
-from peer_elastic.torch.direct_all_reduce import start_all_reduce
-from peer_elastic.torch.snapshots import copy_all
+from peer_elastic.torch.transport.direct_all_reduce import start_all_reduce
+from peer_elastic.torch.transport.snapshots import copy_all
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
