@@ -56,13 +56,14 @@ from peer_elastic.sharded.regroup import regroup
 from peer_elastic.sharded.state import ShardedState
 from peer_elastic.state.agreement import Agreement, Claim, StateVersion
 from peer_elastic.state.lost_state import StateMarker, lost_state
+from peer_elastic.state.sync import agree_and_sync
 from peer_elastic.torch.check.check_cadence import CheckCadence
 from peer_elastic.torch.check.max_exchange import MaxExchange
 from peer_elastic.torch.check.pending_check import PendingCheck
 from peer_elastic.torch.check.reset_vote import Ballot, ResetVote, voting
+from peer_elastic.torch.formed_group import FormedGroup
 from peer_elastic.torch.gloo.abort import HangWatchdog
-from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
-from peer_elastic.torch.transport.collectives import agree_and_sync
+from peer_elastic.torch.group import GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Peer:
         # A collective that waits long makes the group manager check it can still reach
         # its peers: a peer cut off from them (not from etcd) keeps its lease.
         self._liveness = TrainingWatch(coordinator, lambda: self.generation,
-                                       on_waiting=self.groups.waited_on_peers)
+                                       on_waiting=self.groups.reach.waited_on_peers)
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
         self._check_exchange: MaxExchange | None = None

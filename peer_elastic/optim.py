@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.torch.check.reset_vote import current_vote
-from peer_elastic.torch.transport.collectives import plan_buckets
+from peer_elastic.torch.transport.buckets import plan_buckets
 from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now
 
 DEFAULT_BUCKET_BYTES = 32 << 20

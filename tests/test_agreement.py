@@ -18,7 +18,7 @@ from torch import nn
 from peer_elastic.state import TorchState
 from peer_elastic.state.agreement import Agreement, Claim, StateVersion, agree
 from peer_elastic.state.sampler import ElasticSampler
-from peer_elastic.torch.transport.collectives import agree_and_sync
+from peer_elastic.state.sync import agree_and_sync
 from tests.helpers.world import run_world as _run_world
 
 

@@ -168,7 +168,7 @@ def test_a_dead_peer_s_connections_held_open_by_its_program_do_not_hold_the_othe
     out of Python's reach) inherits the subgroup's connections, gloo opening them
     inheritable. When the peer dies they stay open: no collective fails, every ack was
     given, so nothing but the lease (45 s here) ended the survivors' wait. A collective
-    that waits makes each rank probe its group (GroupManager.waited_on_peers): the refused
+    that waits makes each rank probe its group (Reachability.waited_on_peers): the refused
     probe marks the generation broken, the leader confirms the death, and the watchdog
     abandons the group within half a second, not a join timeout (GroupManager.lost_peer)."""
     end, hold, hang = tmp_path / "end", tmp_path / "hold", tmp_path / "hang"

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 
 from peer_elastic.etcd.coordinator import Assignment
-from peer_elastic.torch.group import FormedGroup, GroupManager
+from peer_elastic.torch.formed_group import FormedGroup
+from peer_elastic.torch.group import GroupManager
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc
 

@@ -25,16 +25,15 @@ from peer_elastic.state.handlers import (
     unregister_handler,
 )
 from peer_elastic.state.sampler import ElasticSampler
+from peer_elastic.torch.transport.buckets import halves
 from peer_elastic.torch.transport.collectives import (
     SourceCannotSend,
     broadcast_bytes,
     broadcast_plain,
     broadcast_tensors,
-    broadcast_validated,
-    halves,
-    start_layout_check,
-    syncing_from,
 )
+from peer_elastic.torch.transport.layout_check import broadcast_validated, start_layout_check
+from peer_elastic.torch.transport.sync_source import syncing_from
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -586,7 +585,7 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
 
 def _striped_worker(rank: int, world: int, outdir: Path) -> None:
     from peer_elastic.state.agreement import Claim, StateVersion
-    from peer_elastic.torch.transport.collectives import agree_and_sync
+    from peer_elastic.state.sync import agree_and_sync
 
     out: dict[str, Any] = {}
     holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
@@ -647,7 +646,8 @@ def test_a_large_packed_bucket_is_cut_at_the_tensor_boundary_nearest_its_middle(
 
 
 def test_syncing_from_requires_the_source_among_the_holders() -> None:
-    from peer_elastic.torch.transport.collectives import shard_bounds, sync_holders, syncing_from
+    from peer_elastic.torch.transport.buckets import shard_bounds
+    from peer_elastic.torch.transport.sync_source import sync_holders, syncing_from
 
     with pytest.raises(ValueError, match="not among the holders"):
         with syncing_from(2, holders=(0, 1)):

@@ -46,11 +46,8 @@ from peer_elastic.sharded.plan import (
 from peer_elastic.sharded.state import Arrived, ShardedState
 from peer_elastic.state.agreement import Agreement, Claim, StateVersion, new_lineage, should_resume
 from peer_elastic.state.codec import decode_values, encode_values
-from peer_elastic.torch.transport.collectives import (
-    broadcast_bytes,
-    broadcast_tensors,
-    syncing_from,
-)
+from peer_elastic.torch.transport.collectives import broadcast_bytes, broadcast_tensors
+from peer_elastic.torch.transport.sync_source import syncing_from
 
 __all__ = ["regroup"]
 

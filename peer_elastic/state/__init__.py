@@ -26,7 +26,7 @@ _LAZY = {
     "StateHandler": "peer_elastic.state.handlers",
     "register_handler": "peer_elastic.state.handlers",
     # For a custom handler's sync: where state comes from, and how it travels.
-    "sync_source": "peer_elastic.torch.transport.collectives",
+    "sync_source": "peer_elastic.torch.transport.sync_source",
     "broadcast_tensors": "peer_elastic.torch.transport.collectives",
     "broadcast_plain": "peer_elastic.torch.transport.collectives",
 }

@@ -53,15 +53,17 @@ from peer_elastic.state.handlers import (
     register_handler,
 )
 from peer_elastic.torch.transport.collectives import (
-    LayoutCheck,
     SourceCannotSend,
     broadcast_bytes,
     broadcast_tensors,
-    broadcast_validated,
-    is_sync_source,
-    start_layout_check,
     world_size,
 )
+from peer_elastic.torch.transport.layout_check import (
+    LayoutCheck,
+    broadcast_validated,
+    start_layout_check,
+)
+from peer_elastic.torch.transport.sync_source import is_sync_source
 
 __all__ = ["ObjectState", "State", "TorchState"]
 
