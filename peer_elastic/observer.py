@@ -16,15 +16,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol, TypeVar
 
 from peer_elastic.errors import HostsUpdatedInterrupt
+from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.records import GenerationRecord, JobConfig
 
-if TYPE_CHECKING:
-    from peer_elastic.elastic import Peer
-
-__all__ = ["NoObserver", "PeerStats", "StepObserver", "observed"]
+__all__ = ["NoObserver", "ObservedCoordinator", "ObservedPeer", "PeerStats", "StepObserver", "observed"]
 
 S = TypeVar("S")
 
@@ -67,10 +66,46 @@ class PeerStats:
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+class ObservedCoordinator(Protocol):
+    """What an observer may read from the bound peer's coordinator."""
+
+    job: str
+    host: str
+    config: JobConfig
+    #: What the coordination thread did (generations written, CAS lost, rejoins, ...).
+    stats: Mapping[str, int]
+
+    @property
+    def latest_generation(self) -> GenerationRecord | None: ...
+
+    def snapshot(self) -> ViewSnapshot: ...
+
+
+class ObservedPeer(Protocol):
+    """What an observer may read from the peer it is bound to, at any time (metrics read
+    their gauges here at every scrape): :class:`~peer_elastic.elastic.Peer` is one."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    #: The peer's training-side counters.
+    stats: PeerStats
+    coordinator: ObservedCoordinator
+
+
 class StepObserver(Protocol):
     """What :class:`~peer_elastic.elastic.Peer` tells an observer (metrics) about its steps."""
 
-    def bind(self, peer: Peer) -> None:
+    def bind(self, peer: ObservedPeer) -> None:
         """The peer that will report (read its live values from here, if you like)."""
 
     def on_check(self, seconds: float, *, committing: bool) -> None:

@@ -52,6 +52,7 @@ from peer_elastic.state.handlers import (
     make_handler,
     register_handler,
 )
+from peer_elastic.state.protocol import HostChecker
 from peer_elastic.torch.transport.collectives import (
     SourceCannotSend,
     broadcast_bytes,
@@ -85,12 +86,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-HostChecker = Callable[["State", bool], None]
-"""What ``commit()`` (``committing=True``) and ``check_host_updates()`` call once a run loop
-attached one: ``checker(state, committing)``. It may raise HostsUpdatedInterrupt; when
-committing it calls ``state.record_commit()`` once the ranks agreed."""
 
 
 class State:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from peer_elastic.state.agreement import (
     new_lineage,
     should_resume,
 )
+from peer_elastic.state.protocol import SyncedState
 from peer_elastic.torch.transport.sync_source import syncing_from
 
 __all__ = ["agree_and_sync"]
@@ -32,7 +32,7 @@ __all__ = ["agree_and_sync"]
 log = logging.getLogger(__name__)
 
 
-def agree_and_sync(state: Any, claim: Claim, device: torch.device,
+def agree_and_sync(state: SyncedState, claim: Claim, device: torch.device,
                    resume: Callable[[Sequence[Claim]], Agreement | None] | None = None,
                    committed: StateVersion | None = None) -> Agreement:
     """Agree on the newest state version, then sync from a rank holding it if needed.
@@ -80,8 +80,7 @@ def agree_and_sync(state: Any, claim: Claim, device: torch.device,
     holding = () if resumed is not None else holders(claims, agreement.version)
     with syncing_from(agreement.source, holding if agreement.source in holding else ()):
         state.sync()
-    if hasattr(state, "commit_count"):
-        state.commit_count = agreement.version.commits
+    state.commit_count = agreement.version.commits
     if not (dist.get_rank() in holding and committed == agreement.version):
         state.save()
     return agreement

@@ -34,12 +34,15 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.coordinator import Assignment
 from peer_elastic.etcd.deaths import probeable
+from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
     CANNOT_COMPLETE,
@@ -47,9 +50,12 @@ from peer_elastic.etcd.stop import (
     StopCause,
     stop_reason,
 )
+from peer_elastic.etcd.view import JobView
+from peer_elastic.membership import MembershipFacts
 from peer_elastic.observer import PeerStats
 from peer_elastic.process.parent_only_sockets import ParentOnlySockets
 from peer_elastic.process.sockets import keep_from_exec
+from peer_elastic.records import JobConfig, RunRecord
 from peer_elastic.torch.barrier import Arrival, pass_barrier
 from peer_elastic.torch.formed_group import FormedGroup
 from peer_elastic.torch.gloo.abort import GroupConnections, Loss, endpoint_matcher
@@ -62,7 +68,7 @@ from peer_elastic.torch.gloo.subgroup_timeout import (
     restore_default_timeouts,
 )
 from peer_elastic.torch.lost_peer import lost_peer
-from peer_elastic.torch.reachability import Reachability
+from peer_elastic.torch.reachability import Reachability, ReachCoordinator
 from peer_elastic.torch.store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -128,12 +134,30 @@ def destroy_default_group(connections: GroupConnections) -> int:
     return connections.cut()
 
 
+class GroupCoordinator(MembershipFacts, ReachCoordinator, Protocol):
+    """What :class:`GroupManager` uses of the coordinator: the run it forms groups in, the
+    waits for a generation, and the watched view (with what :class:`Reachability` and
+    :func:`lost_peer` read)."""
+
+    client: EtcdClient  # the rendezvous' store; its endpoints are not a group's connections
+    config: JobConfig
+    run: RunRecord | None  # None before this peer registers
+    keys: RunKeys | None
+    view: JobView
+
+    def hold_rejoin(self, until: Callable[[], bool] | None) -> None: ...
+
+    def wait_generation(self, after: int = 0, timeout: float | None = None) -> Assignment: ...
+
+    def wait_ready(self, generation: int, timeout: float | None = None) -> bool: ...
+
+
 class GroupManager:
     """Forms torch's default process group for each generation; see the module docstring."""
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: GroupCoordinator,
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
@@ -170,8 +194,7 @@ class GroupManager:
         # long, and while a collective waits (the hang monitor tells waited_on_peers).
         self.reach = Reachability(coordinator, collective_timeout_s, self._join_timeout_s,
                                   lambda: self.current)
-        self._is_etcd = endpoint_matcher(
-            (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
+        self._is_etcd = endpoint_matcher((e.host, e.port) for e in coordinator.client.endpoints)
         coordinator.hold_rejoin(self.left_lost_registration)
 
     def destroy(self) -> None:

@@ -8,9 +8,9 @@ members already lost), never etcd. Nothing here imports torch.
 
 from __future__ import annotations
 
-from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.deaths import all_gone
 from peer_elastic.etcd.stop import CANNOT_COMPLETE, StopCause, stop_reason
+from peer_elastic.membership import MembershipFacts
 from peer_elastic.torch.formed_group import FormedGroup
 from peer_elastic.torch.gloo.abort import Loss
 
@@ -20,7 +20,8 @@ __all__ = ["lost_peer"]
 _DEAD_PEER_GRACE_S = 0.5
 
 
-def lost_peer(coord: Coordinator, group: FormedGroup, join_timeout_s: float) -> Loss | None:
+def lost_peer(coord: MembershipFacts, group: FormedGroup,
+              join_timeout_s: float) -> Loss | None:
     """Why ``group`` can no longer complete a collective, or None while it can.
 
     A roster member whose key is gone lost its lease (crashed, hung or cut off), and so

@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from peer_elastic.errors import ConfigError, PeerElasticError
-from peer_elastic.etcd.coordinator import Assignment, Coordinator
+from peer_elastic.etcd.coordinator import Assignment
 from peer_elastic.etcd.deaths import ProbeTarget, probeable, refusing
 from peer_elastic.etcd.reach import ReachReporter
 from peer_elastic.etcd.view import ViewSnapshot
@@ -35,7 +36,7 @@ from peer_elastic.process import threads
 from peer_elastic.process.netaddr import FIX, host_port, is_loopback, probe
 from peer_elastic.torch.formed_group import FormedGroup
 
-__all__ = ["Reachability"]
+__all__ = ["ReachCoordinator", "Reachability"]
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,33 @@ def _where(targets: Iterable[ProbeTarget]) -> str:
     return ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in targets)
 
 
+class ReachCoordinator(Protocol):
+    """What :class:`Reachability` uses of the coordinator."""
+
+    member_id: str
+    host: str
+
+    def snapshot(self) -> ViewSnapshot: ...
+
+    def check(self, snap: ViewSnapshot | None = None) -> None:
+        """Raise whatever ends this peer's participation (done, a drain, a fatal error)."""
+        ...
+
+    def mark_broken(self, generation: int, detail: str = "") -> bool: ...
+
+    def record_event(self, kind: str, detail: str = "", member_id: str | None = None,
+                     generation: int | None = None,
+                     timings: Mapping[str, float] | None = None) -> None: ...
+
+    def report_unreachable(self, members: Collection[str], generation: int) -> bool: ...
+
+    def clear_unreachable(self) -> bool: ...
+
+
 class Reachability:
     """This peer's probes of its roster's group addresses; see the module docstring."""
 
-    def __init__(self, coordinator: Coordinator, collective_timeout_s: float,
+    def __init__(self, coordinator: ReachCoordinator, collective_timeout_s: float,
                  join_timeout_s: Callable[[], float],
                  current: Callable[[], FormedGroup | None]) -> None:
         self._coord = coordinator
