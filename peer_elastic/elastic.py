@@ -213,8 +213,8 @@ class Peer:
         if self._pending_timing is not None:
             self._publish_timing()
         self._keeping.stepped(group.assignment.generation)
-        verdict = self._checks.run(group, committing, lambda: state is not None
-                                   and state.has_local_progress())
+        verdict = self._checks.run(
+            group, committing, lambda: state is not None and state.has_local_progress())
         if verdict is None:
             return  # a plain check, no reset due
         if verdict.merge and state is not None:
@@ -253,9 +253,9 @@ class Peer:
                 except HostsUpdatedInterrupt as exc:
                     log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
                     after = self.generation
-                    if isinstance(state, ShardedState) and self._group is not None:
+                    if isinstance(state, ShardedState):
                         try:
-                            self._keeping.hand_off(state, self._group)
+                            self._keeping.hand_off(state, self.generation)
                         except Exception as failure:
                             if not is_collective_failure(failure):
                                 raise

@@ -197,13 +197,14 @@ class StateKeeping:
         if group.assignment.rank == 0:
             self._publisher.offer_event("state_lost", what, group.generation, {})
 
-    def hand_off(self, state: ShardedState, group: FormedGroup) -> None:
-        """The group is about to be replaced and still works: save the live sharded state
-        with every leaving rank's shard copied to ranks that stay (a leaver's shard must
-        outlive it; a joiner gets its rows from the holders when the next group forms)."""
+    def hand_off(self, state: ShardedState, generation: int) -> None:
+        """The group of ``generation`` is about to be replaced and still works: save the live
+        sharded state with every leaving rank's shard copied to ranks that stay (a leaver's
+        shard must outlive it; a joiner gets its rows from the holders when the next group
+        forms)."""
         snap = self._coord.snapshot()
         newest = snap.generation
-        leaving = newest is not None and newest.number > group.generation \
+        leaving = newest is not None and newest.number > generation \
             and self._coord.member_id not in snap.roster_ids()
         with self._liveness.collective():
             state.hand_off(self.live, leaving)

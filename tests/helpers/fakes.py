@@ -93,6 +93,10 @@ class FakeView:
     def wake(self) -> None:
         self.wakes += 1
 
+    def wait_for(self, predicate: Callable[[ViewSnapshot], bool],
+                 timeout: float) -> ViewSnapshot | None:
+        return self.current if predicate(self.current) else None
+
 
 class FakeCoordinator:
     """A coordinator for the training side's unit tests, with no etcd: what a ``Peer`` uses
