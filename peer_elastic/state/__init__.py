@@ -9,6 +9,8 @@ group decides which copy it keeps.
   group keeps.
 * :mod:`.lost_state` (no torch): a group with no holder of the state: a fresh run, or every
   holder lost.
+* :mod:`.protocol` (no torch): what the run loop, the agreement and snapshots use of a state.
+* :mod:`.sync`: a new group agrees on the newest state and syncs it from a holder.
 
 The names below are what a training script or a custom handler uses; they load on first
 use, so ``agreement``, ``codec`` and ``lost_state`` import without torch.
