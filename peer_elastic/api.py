@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from peer_elastic import logs, netaddr, threads
+from peer_elastic import logs
 from peer_elastic import settings_table as env
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
@@ -33,9 +33,10 @@ from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import NoopMetrics, PeerMetrics
-from peer_elastic.netaddr import select_address
-from peer_elastic.probe_listener import ProbeListener
-from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.process import netaddr, threads
+from peer_elastic.process.netaddr import select_address
+from peer_elastic.process.probe_listener import ProbeListener
+from peer_elastic.process.signal_relay import SignalRelay
 
 log = logging.getLogger(__name__)
 

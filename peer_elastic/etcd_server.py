@@ -44,8 +44,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from peer_elastic.owned_dirs import add_owner, make_owned_dir
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.owned_dirs import add_owner, make_owned_dir
+from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD_BINARY
 
 __all__ = [

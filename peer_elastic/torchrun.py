@@ -112,7 +112,7 @@ from peer_elastic.errors import EtcdError, EtcdUnavailable, LeaseNotFound  # noq
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn, client_from_env  # noqa: E402
 from peer_elastic.etcd.lease import LeaseKeeper, Session  # noqa: E402
 from peer_elastic.etcd.watch import PrefixWatch  # noqa: E402
-from peer_elastic.netaddr import NetChoice, select_address  # noqa: E402
+from peer_elastic.process.netaddr import NetChoice, select_address  # noqa: E402
 from peer_elastic.torch.store import EtcdStore  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from peer_elastic import settings_table
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import find_etcd_binary, free_port
-from peer_elastic.netaddr import interface_addresses
+from peer_elastic.process.netaddr import interface_addresses
 from peer_elastic.records import MemberRecord, decode
 from tests.helpers.ci import running_in_ci
 from tests.helpers.multihost import SETTINGS as MULTIHOST_SETTINGS

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ClientClosed, EtcdUnavailable
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.watch import PrefixWatch
 from peer_elastic.etcd_server import free_port
+from peer_elastic.process import threads
 
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0, min_np=1)
 

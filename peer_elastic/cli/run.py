@@ -20,14 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from peer_elastic import threads
 from peer_elastic.cli.etcd import start_etcd
 from peer_elastic.cli.exit_codes import CommandFailed, ExitCode
 from peer_elastic.cli.parser import chosen_log_level
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process import threads
+from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK, LOG_LEVEL
 
 if TYPE_CHECKING:  # imported where used: the etcd client is slow to import

@@ -12,7 +12,7 @@ import threading
 from types import TracebackType
 
 from peer_elastic.cli.exit_codes import ExitCode
-from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.process.signal_relay import SignalRelay
 
 __all__ = ["StopSignals"]
 

@@ -29,7 +29,7 @@ import etcd3.exceptions as etcd_exc
 import grpc
 from etcd3 import etcdrpc
 
-from peer_elastic import settings_table, threads
+from peer_elastic import settings_table
 from peer_elastic.errors import (
     ClientClosed,
     ConfigError,
@@ -53,6 +53,7 @@ from peer_elastic.etcd.tls import (
     KEY_VAR,
     TLSConfig,
 )
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import EtcdError, PeerElasticError
 from peer_elastic.etcd.admin import drain
@@ -52,6 +51,7 @@ from peer_elastic.etcd.reports import MemberReports
 from peer_elastic.etcd.stop import participation_end
 from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
+from peer_elastic.process import threads
 from peer_elastic.records import (
     DoneCause,
     GenerationCause,

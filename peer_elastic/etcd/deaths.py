@@ -43,9 +43,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.netaddr import host_port, is_loopback
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import host_port, is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ own:
 * :meth:`Coordinator.check <peer_elastic.etcd.coordinator.Coordinator.check>`: does this
   peer's participation end? (:data:`LEAVE_JOB`; the error it raises: :func:`participation_end`)
 
-What it reads of the coordinator is :class:`CoordinatorFacts`, so this module sits below the
+What it reads of the coordinator is :class:`MembershipFacts`, so this module sits below the
 coordinator, which asks it too.
 
 Each asks :func:`stop_reason` with the causes it acts on; the answer is a typed
@@ -40,7 +40,7 @@ __all__ = [
     "ABANDON_RENDEZVOUS",
     "ALL_CAUSES",
     "CANNOT_COMPLETE",
-    "CoordinatorFacts",
+    "MembershipFacts",
     "LEAVE_JOB",
     "RESET_NOW",
     "GroupId",
@@ -77,9 +77,11 @@ class StopReason:
         return self.detail
 
 
-class CoordinatorFacts(Protocol):
-    """What :func:`stop_reason` reads of this peer's coordination (a
-    :class:`~peer_elastic.etcd.coordinator.Coordinator`): memory only."""
+class MembershipFacts(Protocol):
+    """This peer's registration and the watched view of its job, from memory: what
+    :func:`stop_reason` reads. The :class:`~peer_elastic.etcd.coordinator.Coordinator` owns
+    them; the training side's parts extend this Protocol with what else each one uses, so a
+    test fake implements no more than that."""
 
     @property
     def job(self) -> str: ...
@@ -139,7 +141,7 @@ LEAVE_JOB = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.LEFT})
 ALL_CAUSES = frozenset(StopCause)
 
 
-def stop_reason(coord: CoordinatorFacts, group: GroupRef | None,
+def stop_reason(coord: MembershipFacts, group: GroupRef | None,
                 snap: ViewSnapshot | None = None, *,
                 causes: Collection[StopCause] = ALL_CAUSES) -> StopReason | None:
     """The first of ``causes`` (in :class:`StopCause` order) that holds for ``group``, or None.
@@ -156,7 +158,7 @@ def stop_reason(coord: CoordinatorFacts, group: GroupRef | None,
     return None
 
 
-def participation_end(coord: CoordinatorFacts, snap: ViewSnapshot) -> PeerElasticError | None:
+def participation_end(coord: MembershipFacts, snap: ViewSnapshot) -> PeerElasticError | None:
     """The error that ends this peer's participation in the job (:data:`LEAVE_JOB`), or None:
     the coordinator's fatal error, the job's end (:func:`~peer_elastic.etcd.done.done_error`),
     or :class:`~peer_elastic.errors.LeaveRequested` once a drain took effect."""
@@ -170,7 +172,7 @@ def participation_end(coord: CoordinatorFacts, snap: ViewSnapshot) -> PeerElasti
     return LeaveRequested(reason.detail)
 
 
-def _check(cause: StopCause, coord: CoordinatorFacts, group: GroupRef | None,
+def _check(cause: StopCause, coord: MembershipFacts, group: GroupRef | None,
            snap: ViewSnapshot) -> StopReason | None:
     newest = snap.generation
     if cause is StopCause.FATAL:

@@ -41,7 +41,7 @@ import threading
 import weakref
 from typing import Any
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 __all__ = ["RetiredGroups"]
 
