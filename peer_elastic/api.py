@@ -216,7 +216,7 @@ def _close_join(peer: Peer | None, coord: Coordinator, client: EtcdClient,
     if probe is not None:
         probe.close()
     # Last: no thread of this peer may still run when the process exits after join()
-    # (peer_elastic.threads). Each was asked to stop above; this only waits, and only
+    # (peer_elastic.process.threads). Each was asked to stop above; this only waits, and only
     # when no other join() of this process is open (its threads run on, by design).
     if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
         log.warning("threads still running %.0f s after the peer closed (the process "
@@ -252,7 +252,7 @@ def _make_peer(coord: Coordinator, metrics: PeerMetrics | NoopMetrics, local_ran
 
 def _leave_on_signal(coord: Coordinator) -> Callable[[int], None]:
     """What SIGTERM does, on the signal relay's thread (never in the handler: see
-    :mod:`peer_elastic.signal_relay`): the first asks to leave, later ones only say so."""
+    :mod:`peer_elastic.process.signal_relay`): the first asks to leave, later ones only say so."""
     asked = threading.Event()
 
     def leave(signum: int) -> None:

@@ -349,7 +349,7 @@ class EtcdServer:
         self.name = name
         # Linux: etcd gets SIGTERM when this process ends, even by SIGKILL (nothing here runs
         # then). Only for a server started and restarted from the main thread: the kernel
-        # signals the child when the *thread* that started it ends (peer_elastic.parent_death).
+        # signals the child when the *thread* that started it ends (peer_elastic.process.parent_death).
         self.die_with_parent = die_with_parent
         self.binary = binary or find_etcd_binary()
         self.extra_args: list[str] = list(extra_args)

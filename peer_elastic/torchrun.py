@@ -55,7 +55,7 @@ when a member is lost (oldest first), and exit 0 when the job finishes (the rend
 closed) or fail after ``join_timeout``.
 
 Group rank 0 publishes MASTER_ADDR: torchrun's ``--local-addr`` if given, otherwise the
-address :mod:`peer_elastic.netaddr` chooses, as for a peer (``PEER_ELASTIC_ADDR``,
+address :mod:`peer_elastic.process.netaddr` chooses, as for a peer (``PEER_ELASTIC_ADDR``,
 ``PEER_ELASTIC_IFNAME``, else the interface that routes to the etcd endpoints), whose
 interface each agent also hands to its workers' gloo (``GLOO_SOCKET_IFNAME``).
 

@@ -162,7 +162,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExitCo
     print(f"peer-elastic: job {target.job} on etcd {env[ETCD.env]}{embedded}; see it with: "
           f"peer-elastic status --etcd {env[ETCD.env]} --job {target.job}",
           file=sys.stderr, flush=True)
-    # If this launcher is SIGKILLed, its peers get a signal (peer_elastic.parent_death):
+    # If this launcher is SIGKILLed, its peers get a signal (peer_elastic.process.parent_death):
     # SIGTERM, to leave the job gracefully, as on Ctrl-C. With --standalone the job's etcd
     # ends with the launcher too, so nothing is left to leave (a peer would retry the gone
     # etcd for its whole retry budget): SIGKILL.

@@ -562,7 +562,7 @@ class EtcdClient:
             # request iterator is finite, so etcd ends the stream right after the last
             # answer, and by then gRPC's thread sending the requests has finished. A
             # cancelled stream leaves that thread winding down, maybe into the process's
-            # exit (peer_elastic.threads says why that must not happen).
+            # exit (peer_elastic.process.threads says why that must not happen).
             header = None
             try:
                 for resp in stream:
@@ -666,7 +666,7 @@ class EtcdClient:
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Close the connections; wait at most ``wait_s`` for the threads of the watch
         streams to end (closing cancels their streams), so that none is still running
-        when the process exits (peer_elastic.threads says why that matters)."""
+        when the process exits (peer_elastic.process.threads says why that matters)."""
         if self._closed:
             return
         self._closed = True

@@ -55,7 +55,7 @@ class Identity:
     address: str = ""
     local_rank: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)
-    net_address: str = ""  # the IP its process groups use (peer_elastic.netaddr)
+    net_address: str = ""  # the IP its process groups use (peer_elastic.process.netaddr)
     probe_port: int = 0  # a port on net_address that accepts reachability probes
 
     @classmethod
