@@ -144,6 +144,33 @@ def test_event_log_is_pruned_once_ten_percent_over_the_cap() -> None:
     assert wa.calls == [("prune", 100)]
 
 
+def test_event_log_is_pruned_again_once_the_view_saw_the_last_prune() -> None:
+    la, wa = leader()
+    la.events_kept = 100
+    wa.pruned_at = 5  # the view has seen the prune from revision 5 on
+    s = snap(["a-1"], gen=(1, ["a-1"]), ready=["a-1"], event_count=120)
+    la.step(dataclasses.replace(s, revision=3), 5.0)
+    la.step(dataclasses.replace(s, revision=4, event_count=130), 5.0)  # stale: before 5
+    assert wa.calls == [("prune", 100)]
+    # Regrown after the prune to exactly the count the first prune was decided at.
+    la.step(dataclasses.replace(s, revision=5, event_count=100), 6.0)
+    la.step(dataclasses.replace(s, revision=7, event_count=120), 6.0)
+    assert wa.calls == [("prune", 100)] * 2
+
+
+def test_a_view_whose_revision_went_back_is_taken_as_fresh() -> None:
+    la, wa = leader()
+    la.events_kept = 100
+    wa.pruned_at = 50
+    s = snap(["a-1"], gen=(1, ["a-1"]), ready=["a-1"], event_count=120)
+    la.step(dataclasses.replace(s, revision=10), 5.0)
+    la.step(dataclasses.replace(s, revision=40), 5.0)  # stale: not yet at 50
+    assert wa.calls == [("prune", 100)]
+    # etcd was replaced (restored from a backup): its revisions start lower again.
+    la.step(dataclasses.replace(s, revision=3), 6.0)
+    assert wa.calls == [("prune", 100)] * 2
+
+
 @pytest.mark.parametrize(("cause", "reason", "error"), [
     (DoneCause.DONE_CAUSE_RESET_LIMIT, "x", ResetLimitExceeded),
     (DoneCause.DONE_CAUSE_ELASTIC_TIMEOUT, "x", ElasticTimeout),

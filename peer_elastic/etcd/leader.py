@@ -40,7 +40,7 @@ from peer_elastic.etcd.roster import (
     silent_members,
 )
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.etcd.writer import Written
+from peer_elastic.etcd.writer import EventsPruned, Written
 from peer_elastic.records import DoneCause, JobConfig
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class LeaderWrites(Protocol):
     def event(self, kind: str, detail: str = "", member_id: str | None = None,
               generation: int = 0) -> None: ...
 
-    def prune_events(self, keep: int) -> int: ...
+    def prune_events(self, keep: int) -> EventsPruned: ...
 
     def write_done(self, success: bool, reason: str, cause: int, generation: int,
                    timeout_s: float | None = None) -> bool: ...
@@ -108,7 +108,9 @@ class Leader:
         # a --max-request-bytes below the default): the next plan caps the roster under it.
         self.roster_budget = ROSTER_BUDGET_BYTES
         self.events_kept = EVENTS_KEPT
-        self._pruned_at_count = -1
+        # The view's revision when this leader last pruned, and the etcd revision from which
+        # on a view has seen that prune: between the two, the view's count is stale.
+        self._prune_unseen = range(0)
         self._short_since: float | None = None
         self._departure_seq = 0
         #: Whether this member wrote (or would have written) at its last step. A member
@@ -322,14 +324,16 @@ class Leader:
         """Delete the oldest events beyond ``events_kept`` (keys sort by time).
 
         Unbounded, the log would outgrow what one read may carry and what etcd should hold.
-        Runs when the view counts 10% over the cap, so it costs three requests per cap/10
-        events, and not again at the same count. The writer counts the excess in etcd: the
-        view may not have seen an earlier prune's deletes yet.
+        Runs when the view counts 10% over the cap, so it costs four requests per cap/10
+        events. Not while the view has yet to see this leader's previous prune (its count
+        is stale then): keyed on the count instead, a log that regrew to exactly the count
+        of the previous prune was left over the bound until the next event. The writer
+        counts the excess in etcd all the same. A view whose revision went back (etcd
+        replaced) is taken as fresh.
         """
         assert self.writer is not None
         keep = max(1, self.events_kept)
-        count = snap.event_count
-        if count <= keep + max(1, keep // 10) or count == self._pruned_at_count:
+        if snap.event_count <= keep + max(1, keep // 10) or snap.revision in self._prune_unseen:
             return
-        self.writer.prune_events(keep)
-        self._pruned_at_count = count
+        pruned = self.writer.prune_events(keep)
+        self._prune_unseen = range(snap.revision, pruned.revision)

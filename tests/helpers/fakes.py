@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from peer_elastic.etcd.coordinator import Assignment
 from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.etcd.writer import Written
+from peer_elastic.etcd.writer import EventsPruned, Written
 from peer_elastic.records import GenerationRecord, JobConfig
 from tests.helpers.views import cfg, snap
 
@@ -52,9 +52,11 @@ class FakeWrites:
     def event(self, kind, detail="", member_id=None, generation=0):  # noqa: ANN001, ANN201
         self.calls.append(("event", kind))
 
-    def prune_events(self, keep: int) -> int:
+    pruned_at = 2  # the etcd revision a prune says a view must reach to have seen it
+
+    def prune_events(self, keep: int) -> EventsPruned:
         self.calls.append(("prune", keep))
-        return 0
+        return EventsPruned(deleted=0, revision=self.pruned_at)
 
     def write_done(self, success, reason, cause, generation, timeout_s=None):  # noqa: ANN001, ANN201
         self.calls.append(("done", success, cause))
