@@ -36,6 +36,7 @@ from peer_elastic.metrics import NoopMetrics, PeerMetrics
 from peer_elastic.netaddr import select_address
 from peer_elastic.probe_listener import ProbeListener
 from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.straggler.policy import EXIT_STRAGGLER
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ THREADS_END_WAIT_S = 10.0
 
 #: Exit code of a peer whose training thread hung (``hang_timeout_s``): it fenced itself out
 #: of the job; restarted, it joins as a new member (defined in :mod:`peer_elastic.liveness`).
-__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join",
+__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "EXIT_STRAGGLER", "connect", "current_peer", "join",
            "local_rank_from_env", "run"]
 
 #: Other launchers' names for the local rank, read when ``PEER_ELASTIC_LOCAL_RANK`` is

@@ -28,6 +28,7 @@ before a commit is saved and before the interrupt (see :meth:`Peer._check`).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.sharded.durable import ShardedSnapshots
 from peer_elastic.sharded.regroup import regroup
 from peer_elastic.sharded.state import ShardedState
+from peer_elastic.straggler.watch import StragglerWatch
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
@@ -135,6 +137,9 @@ class Peer:
                                                   hang_exempt=self._liveness.exempt)
         # A ShardedState's snapshots: every rank writes its rows (made at its first group).
         self._sharded_snapshots: ShardedSnapshots | None = None
+        # This peer's pace between checks, exchanged about once a second; a straggler says
+        # so and, under straggler_policy=evict, leaves (peer_elastic.straggler).
+        self.straggler = StragglerWatch(coordinator)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -214,6 +219,9 @@ class Peer:
                 state.record_commit()
             return
         self._liveness.stepped()
+        if self.straggler.at_check(group):  # every rank at the same checks, about 1/s
+            with self._liveness.collective():
+                self.straggler.exchange(group, self.device)
         if self.groups.has_unmarked_connections:  # a subgroup the training function made
             self.groups.keep_connections_from_exec()
         if self._pending_timing is not None:
@@ -310,7 +318,8 @@ class Peer:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.
 
         Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
-        raises ``SystemExit(0)`` once the job re-formed without it. A peer that finds the
+        raises ``SystemExit(0)`` once the job re-formed without it; one evicted as a
+        straggler (``straggler_policy=evict``), ``SystemExit(7)``. A peer that finds the
         job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 4
         when the job failed).
         """
@@ -356,7 +365,12 @@ class Peer:
         except LeaveRequested as exc:
             self._final_snapshot(state)
             self._leave(str(exc))
-            raise SystemExit(0) from None
+            code = self.straggler.exit_code
+            if code:
+                print(f"peer-elastic: {self.member_id} left job {self.coordinator.job!r} as a "
+                      f"straggler (straggler_policy=evict); exit status {code}, so that its "
+                      "host can be replaced", file=sys.stderr, flush=True)
+            raise SystemExit(code) from None
         finally:
             state.attach(None)
             self._state = None
@@ -632,6 +646,7 @@ class Peer:
         return self._liveness.exempt()
 
     def close(self) -> None:
+        self.straggler.close()
         if self._sharded_snapshots is not None:
             self._sharded_snapshots.close(timeout=60.0)
         if self.snapshots is not None:
