@@ -19,7 +19,7 @@ from peer_elastic.etcd.admin import status_document, update_config
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.records import DrainRecord, EventRecord, PaceRecord, PeerPace, decode, encode
-from peer_elastic.straggler.detector import Pace, StragglerDetector
+from peer_elastic.straggler.detector import Pace, StragglerDetector, holding_level
 from peer_elastic.straggler.meter import PaceMeter
 from peer_elastic.straggler.policy import Action, decide
 from peer_elastic.straggler.reporting import (
@@ -71,31 +71,38 @@ def test_nested_waits_count_once_and_exempt_work_apart() -> None:
 # -- the meter ------------------------------------------------------------------------------------
 
 
-def test_the_meter_splits_each_interval_into_own_time_and_waits() -> None:
+class FakeTally:
+    def __init__(self) -> None:
+        self.waited = self.exempt = 0.0
+
+    def totals(self) -> Totals:
+        return Totals(self.waited, self.exempt)
+
+
+def test_the_meter_splits_each_span_into_own_time_and_waits() -> None:
     clock = Clock()
-    totals = {"waited": 0.0, "exempt": 0.0}
-    meter = PaceMeter(clock, lambda: Totals(totals["waited"], totals["exempt"]))
-    meter.check()  # the group's first check: nothing measured yet
-    assert meter.take().checks == 0
+    tally = FakeTally()
+    meter = PaceMeter(clock, lambda: tally)  # type: ignore[arg-type,return-value]
+    meter.start()  # the group's first check
     assert meter.proposal() == 1
-    for _ in range(10):  # steps of 100 ms: 30 ms own work, 60 ms waiting, 10 ms exempt
-        clock.now += 0.1
-        totals["waited"] += 0.06
-        totals["exempt"] += 0.01
-        meter.check()
-    sample = meter.take()
+    # Ten checks of 100 ms each: 30 ms own work, 60 ms waiting, 10 ms exempt.
+    clock.now += 1.0
+    tally.waited += 0.6
+    tally.exempt += 0.1
+    sample = meter.take(checks=10)
     assert sample.checks == 10
     assert sample.own_s == pytest.approx(0.3) and sample.waited_s == pytest.approx(0.6)
     assert meter.proposal(every_s=1.0) == 10  # 1 s of 100 ms checks
-    for _ in range(2):  # the peer slows down: the next period shrinks at once
-        clock.now += 0.5
-        meter.check()
-    assert meter.take().own_s == pytest.approx(1.0)
+    clock.now += 1.0  # the peer slows down: two checks of 500 ms; the next period shrinks
+    assert meter.take(checks=2).own_s == pytest.approx(1.0)
     assert meter.proposal(every_s=1.0) == 2
-    meter.restart()  # a new group: the time in the reset is no step
-    clock.now += 30
-    meter.check()
-    assert meter.take().checks == 0 and meter.proposal() == 1
+    clock.now += 30  # a reset: a new group starts afresh
+    meter.start()
+    assert meter.proposal() == 1
+    clock.now += 0.2
+    assert meter.take(checks=1).own_s == pytest.approx(0.2)
+    meter.start(fresh=False)  # measuring switched on again: the period stays
+    assert meter.proposal(every_s=1.0) == 5
 
 
 # -- scores ---------------------------------------------------------------------------------------
@@ -150,6 +157,22 @@ def test_a_slowdown_shorter_than_the_window_is_no_straggler() -> None:
     d = StragglerDetector(clock.now - 100)
     paces = feed(d, clock, [1.0, *[9.0] * 9, 1.0, *[9.0] * 9, 1.0])
     assert Pace.STRAGGLING not in paces and Pace.SLOW in paces
+
+
+def test_a_run_of_slow_measurements_holds_through_noise_but_not_a_return_to_pace() -> None:
+    clock = Clock()
+    d = StragglerDetector(clock.now - 100)
+    assert holding_level(2.0) == 1.5 and holding_level(3.0) == 2.0
+    # A third-speed peer on a busy machine: dips under the threshold, never under 1.5.
+    noisy = [2.2, 3.9, 4.6, 2.7, 2.1, 2.5, 1.9, 3.0, 2.6, 1.7, 2.8, 2.4]
+    paces = feed(d, clock, noisy)
+    assert paces[-2:] == [Pace.STRAGGLING, Pace.STRAGGLING]
+    # Back at the group's pace once: the run is over.
+    assert feed(d, clock, [1.1]) == [Pace.STEADY]
+    assert feed(d, clock, [2.5]) == [Pace.SLOW]
+    # A healthy peer's noise (1.4, 1.8) never starts a run: only the threshold does.
+    fresh = StragglerDetector(clock.now - 100)
+    assert set(feed(fresh, clock, [1.4, 1.8, 1.9, 1.6] * 5)) == {Pace.STEADY}
 
 
 def test_a_straggler_is_reported_once_per_episode() -> None:

@@ -122,7 +122,10 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
                            # and its typed causes (0 and [] from an older writer)
                            "world_size": ev.world_size,
                            "causes": [GenerationCause.Name(c) if c in GenerationCause.values()
-                                      else str(c) for c in ev.causes]}, sort_keys=True)
+                                      else str(c) for c in ev.causes],
+                           # straggler events: the member's host and its score ("" and 0
+                           # for other events)
+                           "host": ev.host, "score": ev.score}, sort_keys=True)
     stamp = time.strftime("%H:%M:%S", time.localtime(ev.unix)) + f".{int(ev.unix % 1 * 1000):03d}"
     line = f"{stamp} gen {ev.generation:<4} {ev.kind:<18} {ev.member_id:<28} {ev.detail}"
     if ev.timings_s:

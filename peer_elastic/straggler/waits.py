@@ -82,7 +82,7 @@ class Tally:
     def totals(self) -> Totals:
         """The totals so far, open spans counted up to now."""
         waited, exempted = self._waited, self._exempted
-        if self._wait_depth or self._exempt_depth:
+        if self._wait_depth or self._exempt_depth:  # rare: a check inside a marked span
             now = self._clock()
             if self._wait_depth:
                 waited += now - self._wait_since

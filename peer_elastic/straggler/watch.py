@@ -1,9 +1,8 @@
 """A peer's straggler watch: the hooks its checks call.
 
 :class:`StragglerWatch` is what :class:`~peer_elastic.elastic.Peer` holds. At every check
-(:meth:`~StragglerWatch.at_check`, a clock read and a few additions) the meter closes the
-interval since the previous check (:mod:`peer_elastic.straggler.meter`); about once a
-second the check also runs the group's exchange of paces (:meth:`~StragglerWatch.exchange`,
+(:meth:`~StragglerWatch.at_check`, a count) it counts the check; about once a second the
+check also runs the group's exchange of paces (:meth:`~StragglerWatch.exchange`,
 one blocking all-reduce at the same check on every rank: :mod:`peer_elastic.straggler.
 exchange`). From the agreed paces every rank computes every rank's score
 (:mod:`peer_elastic.straggler.score`), and then:
@@ -62,6 +61,8 @@ class StragglerWatch:
         self._reporter = StragglerReporter(coordinator, on_not_evicted=self._evicting.clear)
         self._group: object = None
         self._due_in = 1  # checks until the next exchange (the first check of a group: 1)
+        self._counted = 0  # checks since the span began (every rank alike)
+        self._resumed = False  # switched on again: a new span at the next check
         self._detector = StragglerDetector(clock())
         self._last_action: Action | None = None
         self._enabled = True
@@ -106,27 +107,32 @@ class StragglerWatch:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         """Measure or not (a benchmark's comparison). Every rank must switch at the same
-        check; switching on starts afresh, as a new group does."""
+        check. Switched on again, it goes on where it was (the same period, counted only
+        over measured checks: the same on every rank); the time while off is not measured."""
+        if on and not self._enabled:
+            self._resumed = True
         self._enabled = on
-        self._group = None
 
     # -- the hooks --------------------------------------------------------------------------------
 
     def at_check(self, group: Any) -> bool:
-        """A check in ``group`` (a FormedGroup): clock it. True when this check must also
-        run :meth:`exchange` (the same checks on every rank)."""
+        """A check in ``group`` (a FormedGroup): count it (no clock read: the meter reads
+        one at the checks that exchange). True when this check must also run
+        :meth:`exchange` (the same checks on every rank)."""
         if not self._enabled:
             return False
-        if group is not self._group:
-            self._start(group)
-        self._meter.check()
+        if group is not self._group or self._resumed:
+            self._begin(group)
+            return False
+        self._counted += 1
         self._due_in -= 1
         return self._due_in <= 0
 
     def exchange(self, group: Any, device: torch.device) -> None:
         """The group's exchange of paces (collective, blocking), then judge and report."""
         a = group.assignment
-        pace, self._due_in = self._exchange.run(a.rank, a.size, self._meter.take(),
+        sample, self._counted = self._meter.take(self._counted), 0
+        pace, self._due_in = self._exchange.run(a.rank, a.size, sample,
                                                 self._meter.proposal(), device)
         if not pace.measured:
             return
@@ -142,9 +148,17 @@ class StragglerWatch:
 
     # -- inside -----------------------------------------------------------------------------------
 
-    def _start(self, group: Any) -> None:
+    def _begin(self, group: Any) -> None:
+        """The first check of a new group (everything afresh: the first exchange is at the
+        next check, and agrees on the period), or the first after measuring was switched
+        on again (a new span; the period and the rest go on)."""
+        self._counted = 0
+        self._resumed = False
+        if group is self._group:
+            self._meter.start(fresh=False)
+            return
         self._group = group
-        self._meter.restart()
+        self._meter.start()
         self._due_in = 1
         self._detector = StragglerDetector(self._clock())
         self._last_action = None
