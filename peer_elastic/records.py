@@ -28,6 +28,8 @@ from peer_elastic.proto.records_pb2 import (
     HostRecord,
     JobConfig,
     MemberRecord,
+    PaceRecord,
+    PeerPace,
     ProgressRecord,
     ReachRecord,
     RunRecord,
@@ -40,7 +42,7 @@ from peer_elastic.settings_table import JOB_SETTINGS
 __all__ = [
     "SCHEMA", "AckRecord", "DoneCause", "DoneRecord", "DrainRecord", "EventRecord", "FenceCause",
     "FenceRecord", "GenerationCause", "GenerationRecord",
-    "HostRecord", "JobConfig", "MemberRecord", "ProgressRecord", "ReachRecord", "RunRecord",
+    "HostRecord", "JobConfig", "MemberRecord", "PaceRecord", "PeerPace", "ProgressRecord", "ReachRecord", "RunRecord",
     "SnapshotRecord", "StateRecord",
     "encode", "decode", "valid_name",
 ]
@@ -95,9 +97,11 @@ def decode(cls: type[M], data: bytes, key: str = "?") -> M:
     return record
 
 
-#: Job settings added after the first run records were written. Such a record reads 0 for
-#: them, which means "the default": no peer could have been started with 0.
-_ADDED_LATER = tuple(f for f in JOB_SETTINGS if f.name in ("snapshot_every_s", "snapshot_keep"))
+#: Job settings added after the first run records were written. Such a record reads 0 (or an
+#: empty text) for them, which means "the default": no peer could have been started with it.
+_ADDED_LATER = tuple(f for f in JOB_SETTINGS if f.name in (
+    "snapshot_every_s", "snapshot_keep", "straggler_policy", "straggler_threshold",
+    "straggler_window_s", "straggler_cooldown_s"))
 
 
 def _fill_settings_added_later(cfg: JobConfig) -> None:
@@ -179,3 +183,14 @@ def _validate(record: Message, key: str) -> None:
             raise bad("duplicate unreachable member")
         if record.member_id in record.unreachable:
             raise bad("a member reports itself unreachable")
+    elif isinstance(record, PaceRecord):
+        if not math.isfinite(record.unix) or not math.isfinite(record.step_s) \
+                or record.step_s < 0:
+            raise bad(f"unix={record.unix}, step_s={record.step_s}")
+        ids = [p.member_id for p in record.peers]
+        if not all(valid_name(m) for m in ids) or len(set(ids)) != len(ids):
+            raise bad("malformed or duplicate member id")
+        for p in record.peers:
+            if not all(math.isfinite(v) and v >= 0 for v in (p.score, p.own_s, p.waited_s)):
+                raise bad(f"{p.member_id}: score={p.score}, own_s={p.own_s}, "
+                          f"waited_s={p.waited_s}")
