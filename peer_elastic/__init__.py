@@ -39,6 +39,7 @@ _LAZY = {
     "ElasticSampler": "peer_elastic.state.sampler",
     "DistributedOptimizer": "peer_elastic.optim",
     "allreduce_hook": "peer_elastic.ddp_hook",
+    "EXIT_STRAGGLER": "peer_elastic.straggler.policy",
 }
 
 __all__ = [

@@ -37,6 +37,7 @@ from peer_elastic.process import netaddr, threads
 from peer_elastic.process.netaddr import select_address
 from peer_elastic.process.probe_listener import ProbeListener
 from peer_elastic.process.signal_relay import SignalRelay
+from peer_elastic.straggler.policy import EXIT_STRAGGLER
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ THREADS_END_WAIT_S = 10.0
 
 #: Exit code of a peer whose training thread hung (``hang_timeout_s``): it fenced itself out
 #: of the job; restarted, it joins as a new member (defined in :mod:`peer_elastic.liveness`).
-__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "connect", "current_peer", "join",
+__all__ = ["EXIT_HUNG", "EXIT_JOB_FAILED", "EXIT_STRAGGLER", "connect", "current_peer", "join",
            "local_rank_from_env", "run"]
 
 #: Other launchers' names for the local rank, read when ``PEER_ELASTIC_LOCAL_RANK`` is

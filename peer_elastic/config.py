@@ -56,6 +56,10 @@ class JobSettings:
     snapshot_every_s: float | None = None
     snapshot_keep: int | None = None
     hang_first_step_s: float | None = None
+    straggler_policy: str | None = None
+    straggler_threshold: float | None = None
+    straggler_window_s: float | None = None
+    straggler_cooldown_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> JobSettings:

@@ -28,6 +28,7 @@ before a commit is saved and before the interrupt (see :meth:`Peer._check`).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -55,6 +56,7 @@ from peer_elastic.records import GenerationRecord
 from peer_elastic.sharded.state import ShardedState
 from peer_elastic.state.protocol import ElasticState
 from peer_elastic.state_keeping import KeepingCoordinator, StateKeeping
+from peer_elastic.straggler.watch import StragglerWatch
 from peer_elastic.torch.check.generation_check import GenerationCheck
 from peer_elastic.torch.check.reset_vote import voting
 from peer_elastic.torch.formed_group import FormedGroup
@@ -138,6 +140,9 @@ class Peer:
         # durable snapshots (peer_elastic.state_keeping).
         self._keeping = StateKeeping(coordinator, self.stats, self._progress, self._liveness,
                                      self._observer)
+        # This peer's pace between checks, exchanged about once a second; a straggler says
+        # so and, under straggler_policy=evict, leaves (peer_elastic.straggler).
+        self.straggler = StragglerWatch(coordinator)
 
     # -- what the user reads ----------------------------------------------------------------------
 
@@ -208,6 +213,9 @@ class Peer:
                 state.record_commit()
             return
         self._liveness.stepped()
+        if self.straggler.at_check(group):  # every rank at the same checks, about 1/s
+            with self._liveness.collective():
+                self.straggler.exchange(group, self.device)
         if self.groups.has_unmarked_connections:  # a subgroup the training function made
             self.groups.keep_connections_from_exec()
         if self._pending_timing is not None:
@@ -231,7 +239,8 @@ class Peer:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.
 
         Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
-        raises ``SystemExit(0)`` once the job re-formed without it. A peer that finds the
+        raises ``SystemExit(0)`` once the job re-formed without it; one evicted as a
+        straggler (``straggler_policy=evict``), ``SystemExit(7)``. A peer that finds the
         job finished raises :class:`JobFinished` (``join`` turns it into exit code 0, or 4
         when the job failed).
         """
@@ -277,7 +286,12 @@ class Peer:
         except LeaveRequested as exc:
             self._keeping.final_snapshot(state, self._group)
             self._leave(str(exc))
-            raise SystemExit(0) from None
+            code = self.straggler.exit_code
+            if code:
+                print(f"peer-elastic: {self.member_id} left job {self.coordinator.job!r} as a "
+                      f"straggler (straggler_policy=evict); exit status {code}, so that its "
+                      "host can be replaced", file=sys.stderr, flush=True)
+            raise SystemExit(code) from None
         finally:
             state.attach(None)
             self._state = None
@@ -435,6 +449,7 @@ class Peer:
         return self._liveness.exempt()
 
     def close(self) -> None:
+        self.straggler.close()
         self._keeping.close()  # a snapshot write in flight finishes (bounded)
         self._liveness.stop()
         self._progress.stop()

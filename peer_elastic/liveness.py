@@ -67,6 +67,7 @@ from types import FrameType
 from typing import IO, Any
 
 from peer_elastic.process import threads
+from peer_elastic.straggler import waits
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,11 @@ class TrainingLiveness:
         time never counts, and its end counts as progress. Not a wait on other peers."""
         return self._exempt
 
+    # Each span is also timed on the marking thread's tally (peer_elastic.straggler.waits):
+    # the straggler score counts a marked wait as waiting, exempt work as neither.
+
     def _enter_collective(self) -> None:
+        waits.tally().enter_wait()
         with self._lock:
             self._depth += 1
 
@@ -188,8 +193,10 @@ class TrainingLiveness:
         with self._lock:
             self._depth = max(0, self._depth - 1)
             self._progress_at = self._clock()  # it waited for the others: that was progress
+        waits.tally().leave_wait()
 
     def _enter_exempt(self) -> None:
+        waits.tally().enter_exempt()
         with self._lock:
             self._exempt_depth += 1
 
@@ -197,6 +204,7 @@ class TrainingLiveness:
         with self._lock:
             self._exempt_depth = max(0, self._exempt_depth - 1)
             self._progress_at = self._clock()  # the clock runs from the end of exempt work
+        waits.tally().leave_exempt()
 
     def read(self) -> TrainingRecord:
         with self._lock:

@@ -28,6 +28,9 @@ What is measured (see ``docs/metrics.md``):
 * ``peer_elastic_resets_total{reason}``: resets this peer went through (the first group it
   joins is not a reset, as for ``Peer.resets``), by a bounded set of reasons
   (:data:`REASONS`); ``peer_elastic_last_recovery_seconds``;
+* ``peer_elastic_straggler_score``, ``peer_elastic_step_own_seconds``,
+  ``peer_elastic_step_waited_seconds``: this peer's pace at the group's last exchange
+  (:mod:`peer_elastic.straggler`);
 * histograms ``peer_elastic_commit_seconds`` (``state.commit()``: save + check),
   ``peer_elastic_check_seconds`` (``check_host_updates``: one all-reduce) and
   ``peer_elastic_sync_seconds`` (agreeing on and syncing state after a reset, when a sync
@@ -318,6 +321,17 @@ class PeerMetrics:
         self.sync_seconds = Histogram("peer_elastic_sync_seconds",
                                       "Agreeing on and syncing state after a reset (only "
                                       "resets that synced)", buckets=SYNC_BUCKETS, registry=r)
+        self.straggler_score = Gauge(
+            "peer_elastic_straggler_score",
+            "This peer's straggler score at the group's last exchange of paces: its own time "
+            "per step (outside waits on the others) over the median of the other peers' (1: "
+            "the group's pace; NaN before the first exchange)", registry=r)
+        self.step_own = Gauge("peer_elastic_step_own_seconds",
+                              "This peer's own time per check (outside waits on the others) "
+                              "at the last exchange of paces", registry=r)
+        self.step_waited = Gauge("peer_elastic_step_waited_seconds",
+                                 "This peer's time per check waiting on the other peers at the "
+                                 "last exchange of paces", registry=r)
         self.info = Info("peer_elastic", "The job and host of this peer", registry=r)
         self.rank.set(-1)
         self.port: int | None = None
@@ -394,6 +408,9 @@ class PeerMetrics:
         self.members.set_function(_safe(lambda: len(coord.snapshot().eligible())))
         self.min_np.set_function(_safe(lambda: coord.config.min_np))
         self.max_np.set_function(_safe(lambda: coord.config.max_np))
+        self.straggler_score.set_function(_safe(lambda: peer.straggler.score))
+        self.step_own.set_function(_safe(lambda: peer.straggler.own_s))
+        self.step_waited.set_function(_safe(lambda: peer.straggler.waited_s))
         from peer_elastic import __version__
 
         self.info.info({"elastic_job": str(coord.job), "host": str(coord.host),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from peer_elastic.straggler import waits
 from peer_elastic.torch.check.reset_vote import current_vote
 from peer_elastic.torch.transport.buckets import plan_buckets
 from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now
@@ -88,10 +89,17 @@ class _Averaging:
         rider = len(buckets) - 1  # the last bucket of several gradients, if any
         while rider >= 0 and len(buckets[rider]) < 2:
             rider -= 1
+        # The all-reduces are where this rank waits on slower ones: timed, for the
+        # straggler score (peer_elastic.straggler.waits).
+        tally = waits.tally()
         for i, bucket in enumerate(buckets):
             grads = [p.grad for p in bucket]
             if len(grads) == 1 and grads[0].is_contiguous():
-                all_reduce_now(grads[0])  # large: in place (SUM)
+                tally.enter_wait()
+                try:
+                    all_reduce_now(grads[0])  # large: in place (SUM)
+                finally:
+                    tally.leave_wait()
                 grads[0].div_(world)
                 continue
             riding = ballot is not None and i == rider
@@ -100,7 +108,11 @@ class _Averaging:
                                                                         grads[0])])
             else:
                 flat = _flatten_dense_tensors(grads)
-            all_reduce_now(flat)  # SUM; dist.all_reduce's wrapper costs on the hot path
+            tally.enter_wait()
+            try:
+                all_reduce_now(flat)  # SUM; dist.all_reduce's wrapper costs on the hot path
+            finally:
+                tally.leave_wait()
             flat.div_(world)  # the ballot element too: still positive exactly when one voted 1
             if riding:
                 # The bucket itself, its last element the vote: it stays alive until the

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from peer_elastic.proto.records_pb2 import JobConfig
 from peer_elastic.settings_table import JOB_SETTINGS
+from peer_elastic.straggler.settings import StragglerPolicy
 
 __all__ = ["MAX_DURATION_S", "MAX_PEERS", "MIN_HANG_TIMEOUT_S", "SettingProblem",
            "setting_problem"]
@@ -33,7 +34,8 @@ MIN_HANG_TIMEOUT_S = 1.0
 
 _FLOATS = tuple(f for f in JOB_SETTINGS if f.kind is float)
 _POSITIVE = ("join_timeout_s", "elastic_timeout_s", "blacklist_cooldown_s", "run_ttl_s",
-             "snapshot_every_s")
+             "snapshot_every_s", "straggler_window_s", "straggler_cooldown_s")
+_POLICIES = tuple(p.value for p in StragglerPolicy)
 _NOT_NEGATIVE = ("settle_s", "start_settle_s", "hang_first_step_s")
 
 
@@ -89,6 +91,14 @@ def setting_problem(cfg: JobConfig) -> SettingProblem | None:
     if cfg.snapshot_keep < 1:
         return SettingProblem("snapshot_keep",
                               f"snapshot_keep must be at least 1, got {cfg.snapshot_keep}")
+    if cfg.straggler_policy not in _POLICIES:
+        return SettingProblem("straggler_policy",
+                              f"straggler_policy must be one of {', '.join(_POLICIES)}, got "
+                              f"{cfg.straggler_policy!r}")
+    if cfg.straggler_threshold <= 1:
+        return SettingProblem("straggler_threshold",
+                              f"straggler_threshold must be above 1 (a score of 1 is the "
+                              f"group's own pace), got {cfg.straggler_threshold}")
     if cfg.run_ttl_s < cfg.lease_ttl_s:
         return SettingProblem("run_ttl_s", f"run_ttl_s ({cfg.run_ttl_s}) must be at least "
                                            f"lease_ttl_s ({cfg.lease_ttl_s})")

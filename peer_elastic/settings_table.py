@@ -134,6 +134,19 @@ SNAPSHOT_EVERY = _job("snapshot_every_s", "PEER_ELASTIC_SNAPSHOT_EVERY", float, 
                       "background (only with a snapshot_dir)")
 SNAPSHOT_KEEP = _job("snapshot_keep", "PEER_ELASTIC_SNAPSHOT_KEEP", int, 3,
                      "how many of the newest snapshots are kept")
+STRAGGLER_POLICY = _job("straggler_policy", "PEER_ELASTIC_STRAGGLER_POLICY", str, "report",
+                        "what a straggler (a peer slow for straggler_window_s) does: off "
+                        "(nothing; its score is still shown), report (a straggler event) or "
+                        "evict (the event, then it leaves gracefully and exits 7 when the job "
+                        "is faster without it and keeps min_np)")
+STRAGGLER_THRESHOLD = _job("straggler_threshold", "PEER_ELASTIC_STRAGGLER_THRESHOLD", float, 2.0,
+                           "a peer whose own time per step (outside waits on the others) is "
+                           "this many times the median of the others' is slow (above 1)")
+STRAGGLER_WINDOW = _job("straggler_window_s", "PEER_ELASTIC_STRAGGLER_WINDOW", float, 60.0,
+                        "a peer slow at every measurement for this long is a straggler")
+STRAGGLER_COOLDOWN = _job("straggler_cooldown_s", "PEER_ELASTIC_STRAGGLER_COOLDOWN", float, 60.0,
+                          "after a group forms (the job's start, every reset, an eviction), "
+                          "nobody is judged for this long: warm-up is not a straggler")
 
 # --- this peer only ----------------------------------------------------------------------------
 
@@ -192,7 +205,8 @@ ETCD_BINARY = EnvVar("PEER_ELASTIC_ETCD_BINARY", str, None,
 ENV_VARS: tuple[EnvVar, ...] = (
     MIN_NP, MAX_NP, LEASE_TTL, JOIN_TIMEOUT, ELASTIC_TIMEOUT, RESET_LIMIT, BLACKLIST_AFTER,
     BLACKLIST_COOLDOWN, SETTLE, START_SETTLE, RUN_TTL, HANG_TIMEOUT, SNAPSHOT_DIR, SNAPSHOT_EVERY,
-    SNAPSHOT_KEEP, HANG_FIRST_STEP,
+    SNAPSHOT_KEEP, HANG_FIRST_STEP, STRAGGLER_POLICY, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW,
+    STRAGGLER_COOLDOWN,
     JOB, ETCD, ETCD_CA, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, BACKEND,
     COLLECTIVE_TIMEOUT, ABANDON_COLLECTIVES, HOST, NET_ADDR, NET_IFNAME, LOG_LEVEL, LOCAL_RANK, METRICS_PORT,
     METRICS_ADDR,

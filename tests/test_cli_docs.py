@@ -20,7 +20,7 @@ from peer_elastic.config import JOB_FIELDS, JobSettings
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.snapshot_records import record_snapshot
-from peer_elastic.records import SnapshotRecord
+from peer_elastic.records import PaceRecord, PeerPace, SnapshotRecord, encode
 from peer_elastic.settings_table import ETCD, JOB, LOG_LEVEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,10 @@ def test_status_json_fields_are_the_documented_ones(etcd: str, unique_job: str) 
         c.wait_generation(0, timeout=30)
         # Every part of the document present: progress, a snapshot, the outcome.
         c.record_progress(generation=1, epoch=1, batch=2, step=3, world_size=1, commits=3)
+        assert c.keys is not None
+        client.put(c.keys.pace, encode(PaceRecord(generation=1, unix=time.time(), step_s=0.1,
+                                                 peers=[PeerPace(member_id=c.member_id,
+                                                                 score=1.0, own_s=0.1)])))
         record_snapshot(client, unique_job, SnapshotRecord(
             name="snap-00000003", path="/shared/s", commits=3, epoch=1, step=3,
             checksum="0" * 64, unix=time.time(), host="h1", run_id="r1"))
@@ -118,7 +122,7 @@ def test_status_json_fields_are_the_documented_ones(etcd: str, unique_job: str) 
         client.close()
     assert set(doc) == status_fields("Top level")
     assert set(doc["members"][0]) == status_fields("`members[]`")
-    for part in ("progress", "snapshot", "done"):
+    for part in ("progress", "pace", "snapshot", "done"):
         assert doc[part] is not None, part
         assert set(doc[part]) == status_fields(f"`{part}`"), part
     assert set(doc["config"]) == {f.name for f in JOB_FIELDS}

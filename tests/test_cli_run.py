@@ -77,6 +77,11 @@ def test_outcome_is_the_jobs() -> None:
     assert run_outcome([0, 1, 0], interrupted=False).code == ExitCode.FAILED
     assert run_outcome([0, 5], interrupted=False).code == ExitCode.FAILED  # hung: its own code
     assert run_outcome([-9, -15], interrupted=False).code == ExitCode.FAILED  # nobody finished
+    # A straggler evicted (exit 7) left gracefully and the job completed without it.
+    evicted = run_outcome([0, 7, 0, 0], interrupted=False)
+    assert evicted.code == ExitCode.OK
+    assert any("peer 1 was evicted as a straggler" in n for n in evicted.notes)
+    assert run_outcome([7], interrupted=False).code == ExitCode.FAILED  # nobody finished
     assert run_outcome([0, 0], interrupted=True).code == ExitCode.INTERRUPTED
 
 

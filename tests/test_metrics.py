@@ -44,7 +44,8 @@ def fake_peer(**kw: Any) -> SimpleNamespace:
                             snapshot=lambda: snap,
                             counters=CoordinatorCounters(generations_written=2, rejoins=1))
     values = {"generation": 3, "size": 2, "rank": 1, "is_leader": False,
-              "coordinator": coord, "stats": PeerStats()}
+              "coordinator": coord, "stats": PeerStats(),
+              "straggler": SimpleNamespace(score=math.nan, own_s=math.nan, waited_s=math.nan)}
     values.update(kw)
     return SimpleNamespace(**values)
 
@@ -167,6 +168,11 @@ def test_gauges_read_the_peer_live() -> None:
     assert sample(m, "peer_elastic_coordinator_rejoins_total") == 1
     assert sample(m, "peer_elastic_coordinator_dropped_total") == 0
     assert sample(m, "peer_elastic_coordinator_collectives_abandoned_total") == 0
+    assert math.isnan(sample(m, "peer_elastic_straggler_score"))  # no exchange yet
+    peer.straggler.score, peer.straggler.own_s, peer.straggler.waited_s = 3.0, 0.03, 0.001
+    assert sample(m, "peer_elastic_straggler_score") == 3.0
+    assert sample(m, "peer_elastic_step_own_seconds") == 0.03
+    assert sample(m, "peer_elastic_step_waited_seconds") == 0.001
     assert sample(m, "peer_elastic_info", elastic_job="jobA", host="hostA",
                   version=__import__("peer_elastic").__version__) == 1
     peer.generation, peer.size, peer.rank, peer.is_leader = 4, 3, 0, True

@@ -42,12 +42,19 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Exi
         role = "standby" if m["standby"] else f"rank {m['rank']}"
         seen = "?" if m["last_seen_s"] is None else m["last_seen_s"]
         print(f"  {m['id']:<40} {m['host']:<20} {role:<9} age {m['age_s']} s, seen {seen} s ago"
+              + (f"  straggler score {m['straggler_score']:.2f}"
+                 if m.get("straggler_score") is not None else "")
               + (f"  at {m['net_address']}" if m["net_address"] else "")
               + (f"  metrics {m['address']}" if m["address"] else "")
               + ("  (draining)" if m["draining"] else "")
               + ("  (cut off from the others)" if m.get("cut_off") else "")
               + (f"  cannot reach {', '.join(m['unreachable'])}" if m.get("unreachable")
                  else ""))
+    if doc.get("pace"):
+        pace = doc["pace"]
+        print(f"  pace: {pace['step_s'] * 1000:.1f} ms a step in generation "
+              f"{pace['generation']} ({pace['age_s']} s ago); a score is a peer's own time "
+              f"over the others' median, {doc['config']['straggler_threshold']} or more is slow")
     if doc["progress"]:
         p = doc["progress"]
         print(f"  progress: epoch {p['epoch']} batch {p['batch']} step {p['step']} "
@@ -115,7 +122,10 @@ def _event_line(kv_value: bytes, key: str, as_json: bool) -> str | None:
                            # and its typed causes (0 and [] from an older writer)
                            "world_size": ev.world_size,
                            "causes": [GenerationCause.Name(c) if c in GenerationCause.values()
-                                      else str(c) for c in ev.causes]}, sort_keys=True)
+                                      else str(c) for c in ev.causes],
+                           # straggler events: the member's host and its score ("" and 0
+                           # for other events)
+                           "host": ev.host, "score": ev.score}, sort_keys=True)
     stamp = time.strftime("%H:%M:%S", time.localtime(ev.unix)) + f".{int(ev.unix % 1 * 1000):03d}"
     line = f"{stamp} gen {ev.generation:<4} {ev.kind:<18} {ev.member_id:<28} {ev.detail}"
     if ev.timings_s:

@@ -29,6 +29,7 @@ from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
 from peer_elastic.process import threads
 from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK, LOG_LEVEL
+from peer_elastic.straggler.policy import EXIT_STRAGGLER
 
 if TYPE_CHECKING:  # imported where used: the etcd client is slow to import
     from peer_elastic.etcd_server import EtcdServer
@@ -95,16 +96,19 @@ def run_outcome(returncodes: Sequence[int], interrupted: bool) -> RunOutcome:
     """The job's result from its peers' exit codes (``subprocess``'s: negative for a signal).
 
     A peer that exits by itself speaks for the job: 0 once it completed, ``JOB_FAILED`` when
-    it failed as a whole. A peer killed by a signal is a loss the job survives (the others
+    it failed as a whole. A peer killed by a signal, or evicted as a straggler
+    (``EXIT_STRAGGLER``: it left gracefully), is a loss the job survives (the others
     re-form and go on), so it does not fail the run, unless no peer finished at all.
     """
     notes = []
     for i, rc in enumerate(returncodes):
         if rc < 0:
             notes.append(f"peer {i} was killed by {_signal_name(rc)}")
+        elif rc == EXIT_STRAGGLER:
+            notes.append(f"peer {i} was evicted as a straggler (exit code {rc})")
         elif rc != 0:
             notes.append(f"peer {i} exited with code {rc}")
-    finished = [rc for rc in returncodes if rc >= 0]
+    finished = [rc for rc in returncodes if rc >= 0 and rc != EXIT_STRAGGLER]
     if interrupted:
         code = ExitCode.INTERRUPTED
     elif ExitCode.JOB_FAILED in finished:

@@ -20,6 +20,7 @@ from peer_elastic.records import (
     DrainRecord,
     EventRecord,
     JobConfig,
+    PeerPace,
     RunRecord,
     SnapshotRecord,
     decode,
@@ -33,6 +34,8 @@ RUNTIME_SETTINGS = frozenset({
     "blacklist_cooldown_s", "settle_s", "start_settle_s", "paused",
     # read from the watched run record at every look of the hang detector
     "hang_timeout_s", "hang_first_step_s",
+    # read from the watched run record at every exchange of paces (peer_elastic.straggler)
+    "straggler_policy", "straggler_threshold", "straggler_window_s", "straggler_cooldown_s",
 })
 
 
@@ -193,6 +196,7 @@ def status_document(job: str, snap: ViewSnapshot, now: float,
     gen = snap.generation
     roster = list(gen.roster) if gen else []
     eligible = snap.eligible()
+    paces = {p.member_id: p for p in snap.pace.peers} if snap.pace is not None else {}
     members = [{
         "id": m.id,
         "host": m.host,
@@ -208,7 +212,11 @@ def status_document(job: str, snap: ViewSnapshot, now: float,
         "unreachable": sorted(snap.unreachable.get(m.id, ())),
         "cut_off": m.id in snap.cut_off(),
         "last_seen_s": (seen or {}).get(m.id),  # since its last lease keep-alive
+        # Its straggler score and pace at the group's last exchange (rank 0's pace record;
+        # None for a standby and before the first).
+        **_pace_fields(paces.get(m.id)),
     } for m in snap.by_age]
+    pace = snap.pace
     p = snap.progress
     return {
         "job": job,
@@ -223,9 +231,21 @@ def status_document(job: str, snap: ViewSnapshot, now: float,
             "epoch": p.epoch, "batch": p.batch, "step": p.step, "generation": p.generation,
             "world_size": p.world_size, "age_s": round(now - p.unix, 1),
         },
+        "pace": None if pace is None else {
+            "generation": pace.generation, "step_s": round(pace.step_s, 6),
+            "age_s": round(now - pace.unix, 1),
+        },
         "done": None if snap.done is None else {
             "success": snap.done.success, "reason": snap.done.reason,
         },
         "config": {f.name: getattr(snap.run.config, f.name) for f in JOB_FIELDS},
         "keys_prefix": RunKeys(job, snap.run.run_id).prefix,
     }
+
+
+def _pace_fields(pace: PeerPace | None) -> dict[str, float | None]:
+    """A member's ``straggler_score``, ``own_s`` and ``waited_s`` (None without a pace)."""
+    if pace is None:
+        return {"straggler_score": None, "own_s": None, "waited_s": None}
+    return {"straggler_score": round(pace.score, 3), "own_s": round(pace.own_s, 6),
+            "waited_s": round(pace.waited_s, 6)}

@@ -17,6 +17,7 @@
 /peer-elastic/<job>/<run>/blacklist/<host>      HostRecord (cooldown lease)
 /peer-elastic/<job>/<run>/progress              ProgressRecord (run lease)
 /peer-elastic/<job>/<run>/state                 StateRecord (run lease): the state has commits
+/peer-elastic/<job>/<run>/pace                  PaceRecord (run lease): the peers' paces, by rank 0
 /peer-elastic/<job>/<run>/events/<ns>-<member>  EventRecord (run lease)
 /peer-elastic/<job>/<run>/done                  DoneRecord (run lease)
 ```
@@ -153,6 +154,10 @@ class RunKeys:
     def done(self) -> str:
         return self.prefix + "done"
 
+    @property
+    def pace(self) -> str:
+        return self.prefix + "pace"
+
     def event(self, writer: str, ns: int | None = None) -> str:
         """A new event key. Event keys sort by time: a zero-padded nanosecond stamp (now,
         unless ``ns`` is given), then the writer (a member id, or ``operator``)."""
@@ -181,6 +186,7 @@ class KeyKind(enum.Enum):
     BLACKLIST = "blacklist"
     PROGRESS = "progress"
     STATE = "state"
+    PACE = "pace"
     DONE = "done"
     EVENT = "events"
     SNAPSHOT = "snapshots"
@@ -203,7 +209,7 @@ class ParsedKey:
 
 
 _RUN_SINGLE = {"generation": KeyKind.GENERATION, "progress": KeyKind.PROGRESS,
-               "state": KeyKind.STATE, "done": KeyKind.DONE}
+               "state": KeyKind.STATE, "pace": KeyKind.PACE, "done": KeyKind.DONE}
 _RUN_NAMED = {"members": KeyKind.MEMBER, "drain": KeyKind.DRAIN, "fenced": KeyKind.FENCED,
               "unreachable": KeyKind.UNREACHABLE,
               "failures": KeyKind.FAILURES, "blacklist": KeyKind.BLACKLIST,

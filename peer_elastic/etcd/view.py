@@ -33,6 +33,7 @@ from peer_elastic.records import (
     GenerationRecord,
     HostRecord,
     MemberRecord,
+    PaceRecord,
     ProgressRecord,
     ReachRecord,
     RunRecord,
@@ -63,13 +64,14 @@ class WakeOn(enum.Enum):
 #: Key kinds whose *puts* wake only :attr:`WakeOn.ANY_CHANGE` waiters (see there).
 _WRITER_ONLY_PUTS = frozenset({
     KeyKind.MEMBER, KeyKind.READY, KeyKind.ALIVE, KeyKind.STORE, KeyKind.ARRIVED,
-    KeyKind.FAILURES, KeyKind.PROGRESS, KeyKind.STATE, KeyKind.EVENT, KeyKind.SNAPSHOT,
+    KeyKind.FAILURES, KeyKind.PROGRESS, KeyKind.STATE, KeyKind.PACE, KeyKind.EVENT,
+    KeyKind.SNAPSHOT,
 })
 #: Key kinds whose *deletes* wake only :attr:`WakeOn.ANY_CHANGE` waiters: an expired
 #: member's acks go with its member key, whose delete wakes everyone.
 _WRITER_ONLY_DELETES = frozenset({
     KeyKind.READY, KeyKind.ALIVE, KeyKind.STORE, KeyKind.ARRIVED, KeyKind.FAILURES,
-    KeyKind.PROGRESS, KeyKind.STATE, KeyKind.EVENT, KeyKind.SNAPSHOT,
+    KeyKind.PROGRESS, KeyKind.STATE, KeyKind.PACE, KeyKind.EVENT, KeyKind.SNAPSHOT,
 })
 
 
@@ -125,6 +127,7 @@ class _RunState:
     failures: dict[str, tuple[HostRecord, int]] = field(default_factory=dict)
     progress: ProgressRecord | None = None
     state: StateRecord | None = None
+    pace: PaceRecord | None = None
     done: DoneRecord | None = None
     events: set[str] = field(default_factory=set)  # keys only: the log is not decoded here
     acks_arrived_at: dict[int, float] = field(default_factory=dict)  # see ViewSnapshot
@@ -165,6 +168,9 @@ class ViewSnapshot:
     # Generation -> time.monotonic() when this view last applied a new ``ready`` or
     # ``alive`` ack for it (the leader's silence clock waits while acks keep arriving).
     acks_arrived_at: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    # Every roster member's pace as the group last exchanged it (rank 0 writes it; status and
+    # the dashboard show it: peer_elastic.straggler).
+    pace: PaceRecord | None = None
 
     @property
     def generation_number(self) -> int:
@@ -510,6 +516,8 @@ class JobView:
             st.progress = decode(ProgressRecord, kv.value, kv.key)
         elif kind is KeyKind.STATE:
             st.state = decode(StateRecord, kv.value, kv.key)
+        elif kind is KeyKind.PACE:
+            st.pace = decode(PaceRecord, kv.value, kv.key)
         elif kind is KeyKind.DONE:
             st.done = decode(DoneRecord, kv.value, kv.key)
         elif kind is KeyKind.EVENT:
@@ -568,6 +576,8 @@ class JobView:
             st.progress = None
         elif kind is KeyKind.STATE:
             st.state = None
+        elif kind is KeyKind.PACE:
+            st.pace = None
         elif kind is KeyKind.DONE:
             st.done = None
 
@@ -600,5 +610,6 @@ class JobView:
             unreachable=MappingProxyType(dict(st.unreachable)),
             state=st.state,
             acks_arrived_at=MappingProxyType(dict(st.acks_arrived_at)),
+            pace=st.pace,
         )
 

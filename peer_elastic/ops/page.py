@@ -94,11 +94,22 @@ function render(doc) {
     sp.appendChild(el("b", k + ": ")); sp.appendChild(el("span", v)); sum.appendChild(sp);
   });
   table($("members"), ["member", "host", "advertised address", "rank", "age",
-                       "last seen (lease keep-alive)", "ready ack (this gen)", "metrics"],
+                       "last seen (lease keep-alive)", "ready ack (this gen)",
+                       "straggler score (own / waited per step)", "metrics"],
     s.members.map((m) => [m.id, m.host, m.net_address || "-",
       m.standby ? "standby" : m.rank, m.age_s + " s",
       m.last_seen_s === null ? "lease gone" : m.last_seen_s + " s ago",
-      m.ready_acked ? "yes" : "no", m.address || "-"]));
+      m.ready_acked ? "yes" : "no",
+      m.straggler_score === null ? "-" : m.straggler_score.toFixed(2) + " (" +
+        (m.own_s * 1000).toFixed(1) + " / " + (m.waited_s * 1000).toFixed(1) + " ms)",
+      m.address || "-"]));
+  if (s.pace) {
+    const limit = s.config.straggler_threshold;
+    $("members").querySelectorAll("tr").forEach((tr, i) => {
+      const m = s.members[i - 1];
+      if (m && m.straggler_score !== null && m.straggler_score >= limit) tr.className = "bad";
+    });
+  }
   const tlx = doc.timeline;
   chart($("chart"), tlx.generations, doc.now);
   $("chart-note").textContent = tlx.generations.some((g) => g.world_size === null)

@@ -53,7 +53,7 @@ DONE_CAUSE_RESET_LIMIT: DoneCause
 DONE_CAUSE_ELASTIC_TIMEOUT: DoneCause
 
 class JobConfig(_message.Message):
-    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s", "snapshot_dir", "snapshot_every_s", "snapshot_keep", "hang_first_step_s")
+    __slots__ = ("min_np", "max_np", "lease_ttl_s", "join_timeout_s", "elastic_timeout_s", "reset_limit", "blacklist_after", "blacklist_cooldown_s", "settle_s", "start_settle_s", "run_ttl_s", "paused", "hang_timeout_s", "snapshot_dir", "snapshot_every_s", "snapshot_keep", "hang_first_step_s", "straggler_policy", "straggler_threshold", "straggler_window_s", "straggler_cooldown_s")
     MIN_NP_FIELD_NUMBER: _ClassVar[int]
     MAX_NP_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,10 @@ class JobConfig(_message.Message):
     SNAPSHOT_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEEP_FIELD_NUMBER: _ClassVar[int]
     HANG_FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_POLICY_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
     min_np: int
     max_np: int
     lease_ttl_s: float
@@ -88,7 +92,11 @@ class JobConfig(_message.Message):
     snapshot_every_s: float
     snapshot_keep: int
     hang_first_step_s: float
-    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ..., snapshot_dir: _Optional[str] = ..., snapshot_every_s: _Optional[float] = ..., snapshot_keep: _Optional[int] = ..., hang_first_step_s: _Optional[float] = ...) -> None: ...
+    straggler_policy: str
+    straggler_threshold: float
+    straggler_window_s: float
+    straggler_cooldown_s: float
+    def __init__(self, min_np: _Optional[int] = ..., max_np: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., join_timeout_s: _Optional[float] = ..., elastic_timeout_s: _Optional[float] = ..., reset_limit: _Optional[int] = ..., blacklist_after: _Optional[int] = ..., blacklist_cooldown_s: _Optional[float] = ..., settle_s: _Optional[float] = ..., start_settle_s: _Optional[float] = ..., run_ttl_s: _Optional[float] = ..., paused: _Optional[bool] = ..., hang_timeout_s: _Optional[float] = ..., snapshot_dir: _Optional[str] = ..., snapshot_every_s: _Optional[float] = ..., snapshot_keep: _Optional[int] = ..., hang_first_step_s: _Optional[float] = ..., straggler_policy: _Optional[str] = ..., straggler_threshold: _Optional[float] = ..., straggler_window_s: _Optional[float] = ..., straggler_cooldown_s: _Optional[float] = ...) -> None: ...
 
 class RunRecord(_message.Message):
     __slots__ = ("schema", "run_id", "config", "lease_id", "created_unix", "created_by", "overridden")
@@ -271,6 +279,32 @@ class StateRecord(_message.Message):
     written_by: str
     def __init__(self, schema: _Optional[int] = ..., commits: _Optional[int] = ..., generation: _Optional[int] = ..., unix: _Optional[float] = ..., written_by: _Optional[str] = ...) -> None: ...
 
+class PeerPace(_message.Message):
+    __slots__ = ("member_id", "score", "own_s", "waited_s")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    OWN_S_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    score: float
+    own_s: float
+    waited_s: float
+    def __init__(self, member_id: _Optional[str] = ..., score: _Optional[float] = ..., own_s: _Optional[float] = ..., waited_s: _Optional[float] = ...) -> None: ...
+
+class PaceRecord(_message.Message):
+    __slots__ = ("schema", "generation", "unix", "step_s", "peers")
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    schema: int
+    generation: int
+    unix: float
+    step_s: float
+    peers: _containers.RepeatedCompositeFieldContainer[PeerPace]
+    def __init__(self, schema: _Optional[int] = ..., generation: _Optional[int] = ..., unix: _Optional[float] = ..., step_s: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerPace, _Mapping]]] = ...) -> None: ...
+
 class DoneRecord(_message.Message):
     __slots__ = ("schema", "success", "reason", "written_by", "unix", "generation", "cause")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
@@ -290,7 +324,7 @@ class DoneRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., success: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ..., cause: _Optional[_Union[DoneCause, str]] = ...) -> None: ...
 
 class EventRecord(_message.Message):
-    __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s", "world_size", "causes")
+    __slots__ = ("schema", "kind", "member_id", "generation", "detail", "unix", "timings_s", "world_size", "causes", "host", "score")
     class TimingsSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +341,8 @@ class EventRecord(_message.Message):
     TIMINGS_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAUSES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     schema: int
     kind: str
     member_id: str
@@ -316,7 +352,9 @@ class EventRecord(_message.Message):
     timings_s: _containers.ScalarMap[str, float]
     world_size: int
     causes: _containers.RepeatedScalarFieldContainer[GenerationCause]
-    def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., world_size: _Optional[int] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
+    host: str
+    score: float
+    def __init__(self, schema: _Optional[int] = ..., kind: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., unix: _Optional[float] = ..., timings_s: _Optional[_Mapping[str, float]] = ..., world_size: _Optional[int] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ..., host: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class SnapshotRecord(_message.Message):
     __slots__ = ("schema", "name", "path", "commits", "epoch", "step", "unix", "checksum", "run_id", "bytes", "host")

@@ -172,10 +172,15 @@ def wait_world(p: PeerProc, size: int, timeout: float, seen: int | None = None) 
 def start_world_of_3(*peers: PeerProc) -> list[PeerProc]:
     """Wait until every peer trains in a world of 3 (under load they may register apart
     and form smaller worlds first); return them by rank (rank 0, the leader, first)."""
+    return start_world_of(3, *peers)
+
+
+def start_world_of(size: int, *peers: PeerProc) -> list[PeerProc]:
+    """:func:`start_world_of_3` for a world of ``size``."""
     for p in peers:
         p.wait_line("GEN", timeout=90)
-        wait_world(p, 3, 90, seen=0)
+        wait_world(p, size, 90, seen=0)
     wait_more_steps(peers[0], 3)
-    gen = max(g for g, _, w in gen_lines(peers[0]) if w == 3)
+    gen = max(g for g, _, w in gen_lines(peers[0]) if w == size)
     rank = {p.name: r for p in peers for g, r, _ in gen_lines(p) if g == gen}
     return sorted(peers, key=lambda p: rank[p.name])

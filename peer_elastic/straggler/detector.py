@@ -1,0 +1,101 @@
+"""When a slow peer is a straggler: its score at or above the threshold for a whole window.
+
+A peer judges itself (:mod:`peer_elastic.straggler.watch`), from the scores every rank
+derives alike from each exchange of paces. :class:`StragglerDetector` takes its score at
+each exchange and answers with a :class:`Verdict`:
+
+* for ``straggler_cooldown_s`` after the group formed, nothing is judged (``UNJUDGED``):
+  a new group's first steps (compilation, caches, a joiner's data loader) are slow for
+  reasons that pass;
+* a score at or above ``straggler_threshold`` starts a run of slow measurements
+  (``SLOW``), and the run holds while the score stays above the *holding level*, halfway
+  between 1 (the group's pace) and the threshold: 1.5 at the default threshold of 2. One
+  measurement below it ends the run. Why not the threshold itself: a measurement is a
+  second of a busy machine, and a peer at a third of the others' speed measured, on the
+  2-core test machine under a load of 14, 4.6, 2.7, 2.1, 2.5, 1.9, ...: one dip under 2
+  restarted the window again and again, and it was never found. A peer back at the
+  group's pace (about 1) ends the run all the same;
+* a run that lasts ``straggler_window_s`` makes the peer a straggler (``STRAGGLING``), for
+  as long as it lasts. The first such verdict of an *episode* is marked ``new_episode``:
+  that is the one the event log gets. The episode ends only once the score stayed under
+  the holding level for a whole window, so a peer that slows down now and then is reported
+  once, not at every bout.
+
+So a slowdown shorter than the window is never a straggler, whatever its size, and one
+longer is found at the first measurement a window after it began (measurements come about
+once a second: :data:`peer_elastic.straggler.meter.EXCHANGE_EVERY_S`).
+
+One job: that rule, on a clock it is given (a fake one in the tests). No torch, no etcd.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from peer_elastic.straggler.settings import StragglerSettings
+
+__all__ = ["Pace", "StragglerDetector", "Verdict", "holding_level"]
+
+
+def holding_level(threshold: float) -> float:
+    """The score above which a run of slow measurements holds (module docstring)."""
+    return 1.0 + (threshold - 1.0) / 2.0
+
+
+class Pace(enum.Enum):
+    UNJUDGED = "unjudged"  # within the cooldown after the group formed
+    STEADY = "steady"  # below the threshold
+    SLOW = "slow"  # at or above it, for less than the window
+    STRAGGLING = "straggling"  # at or above it for the whole window
+
+
+@dataclass(frozen=True)
+class Verdict:
+    pace: Pace
+    score: float
+    slow_since: float | None = None  # when this run of slow measurements began
+    new_episode: bool = False  # the first STRAGGLING verdict of its episode
+
+
+class StragglerDetector:
+    """Judges one peer's scores in one group; see the module docstring."""
+
+    def __init__(self, started_at: float) -> None:
+        self._started_at = started_at  # when the group formed (its first check)
+        self._slow_since: float | None = None
+        self._in_episode = False
+        self._steady_since: float | None = None  # under the holding level, in an episode
+
+    def forget(self) -> None:
+        """Drop the current run and episode (the policy was switched off); the cooldown
+        stays counted from the group's start."""
+        self._slow_since = self._steady_since = None
+        self._in_episode = False
+
+    def observe(self, now: float, score: float, settings: StragglerSettings) -> Verdict:
+        """The verdict on ``score``, measured at ``now`` (the clock given to the start)."""
+        if now - self._started_at < settings.cooldown_s:
+            self._slow_since = self._steady_since = None
+            return Verdict(Pace.UNJUDGED, score)
+        holding = self._slow_since is not None and score > holding_level(settings.threshold)
+        if score >= settings.threshold or holding:
+            self._steady_since = None
+            if self._slow_since is None:
+                self._slow_since = now
+            if now - self._slow_since < settings.window_s:
+                return Verdict(Pace.SLOW, score, self._slow_since)
+            new = not self._in_episode
+            self._in_episode = True
+            return Verdict(Pace.STRAGGLING, score, self._slow_since, new_episode=new)
+        self._slow_since = None
+        if score > holding_level(settings.threshold):
+            self._steady_since = None  # between the two levels: not slow, nor back at pace
+            return Verdict(Pace.STEADY, score)
+        if self._in_episode:
+            if self._steady_since is None:
+                self._steady_since = now
+            if now - self._steady_since >= settings.window_s:
+                self._in_episode = False
+                self._steady_since = None
+        return Verdict(Pace.STEADY, score)

@@ -1,0 +1,216 @@
+"""A peer's straggler watch: the hooks its checks call.
+
+:class:`StragglerWatch` is what :class:`~peer_elastic.elastic.Peer` holds. At every check
+(:meth:`~StragglerWatch.at_check`, a count) it counts the check; about once a second the
+check also runs the group's exchange of paces (:meth:`~StragglerWatch.exchange`,
+one blocking all-reduce at the same check on every rank: :mod:`peer_elastic.straggler.
+exchange`). From the agreed paces every rank computes every rank's score
+(:mod:`peer_elastic.straggler.score`), and then:
+
+* rank 0 hands the paces of the whole roster to the reporter (the pace record that
+  ``status`` and the dashboard show);
+* each rank judges *itself* (:mod:`peer_elastic.straggler.detector`): the only writer of a
+  peer's ``straggler`` event and of its eviction is the peer itself, so no two ranks can
+  ever decide differently about one peer, and no peer is written about twice. Once it is a
+  straggler it decides (:mod:`peer_elastic.straggler.policy`) and hands the event, and an
+  eviction, to the reporter (:mod:`peer_elastic.straggler.reporting`).
+
+An evicted peer leaves like a drained one: it raises ``LeaveRequested`` once the job
+re-formed without it, and :attr:`~StragglerWatch.exit_code` is then :data:`EXIT_STRAGGLER`
+instead of 0, so that a scheduler can tell it apart and replace the host.
+
+A new group (a new ``FormedGroup``, seen at its first check) starts everything afresh: the
+meter, the exchange's period, the detector and its cooldown.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from peer_elastic.records import PaceRecord, PeerPace
+from peer_elastic.straggler.detector import Pace, StragglerDetector
+from peer_elastic.straggler.exchange import PaceExchange
+from peer_elastic.straggler.meter import PaceMeter
+from peer_elastic.straggler.policy import EXIT_STRAGGLER, Action, Decision, decide
+from peer_elastic.straggler.reporting import Eviction, StragglerReport, StragglerReporter
+from peer_elastic.straggler.score import GroupPace
+from peer_elastic.straggler.settings import StragglerPolicy, StragglerSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StragglerWatch"]
+
+
+class StragglerWatch:
+    """Measures this peer's pace, exchanges it, judges and acts; see the module docstring."""
+
+    def __init__(self, coordinator: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self._coordinator = coordinator
+        self._clock = clock
+        self._meter = PaceMeter()
+        self._exchange = PaceExchange()
+        self._evicting = threading.Event()  # set from the decision until the drain fails
+        self._reporter = StragglerReporter(coordinator, on_not_evicted=self._evicting.clear)
+        self._group: object = None
+        self._due_in = 1  # checks until the next exchange (the first check of a group: 1)
+        self._counted = 0  # checks since the span began (every rank alike)
+        self._resumed = False  # switched on again: a new span at the next check
+        self._detector = StragglerDetector(clock())
+        self._last_action: Action | None = None
+        self._enabled = True
+        self._pace: GroupPace | None = None
+        self._score = math.nan
+        self._rank = -1
+
+    # -- what others read -------------------------------------------------------------------------
+
+    @property
+    def pace(self) -> GroupPace | None:
+        """The group's paces at the last exchange of the current group (None: none yet)."""
+        return self._pace
+
+    @property
+    def score(self) -> float:
+        """This peer's score at the last exchange (NaN: none yet in this group)."""
+        return self._score
+
+    @property
+    def own_s(self) -> float:
+        """This peer's own time per check at the last exchange (NaN: none yet)."""
+        pace, rank = self._pace, self._rank
+        return pace.own_s[rank] if pace is not None else math.nan
+
+    @property
+    def waited_s(self) -> float:
+        """This peer's wait on the others per check at the last exchange (NaN: none yet)."""
+        pace, rank = self._pace, self._rank
+        return pace.waited_s[rank] if pace is not None else math.nan
+
+    @property
+    def exit_code(self) -> int:
+        """What a peer that leaves the job on request exits with: :data:`EXIT_STRAGGLER`
+        when it was evicted as a straggler, else 0."""
+        return EXIT_STRAGGLER if self._evicting.is_set() else 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Measure or not (a benchmark's comparison). Every rank must switch at the same
+        check. Switched on again, it goes on where it was (the same period, counted only
+        over measured checks: the same on every rank); the time while off is not measured."""
+        if on and not self._enabled:
+            self._resumed = True
+        self._enabled = on
+
+    # -- the hooks --------------------------------------------------------------------------------
+
+    def at_check(self, group: Any) -> bool:
+        """A check in ``group`` (a FormedGroup): count it (no clock read: the meter reads
+        one at the checks that exchange). True when this check must also run
+        :meth:`exchange` (the same checks on every rank)."""
+        if not self._enabled:
+            return False
+        if group is not self._group or self._resumed:
+            self._begin(group)
+            return False
+        self._counted += 1
+        self._due_in -= 1
+        return self._due_in <= 0
+
+    def exchange(self, group: Any, device: torch.device) -> None:
+        """The group's exchange of paces (collective, blocking), then judge and report."""
+        a = group.assignment
+        sample, self._counted = self._meter.take(self._counted), 0
+        pace, self._due_in = self._exchange.run(a.rank, a.size, sample,
+                                                self._meter.proposal(), device)
+        if not pace.measured:
+            return
+        scores = pace.scores()
+        self._rank, self._score, self._pace = a.rank, scores[a.rank], pace  # rank first:
+        # the metrics thread reads pace.own_s[rank]
+        if a.rank == 0:
+            self._reporter.offer_pace(_pace_record(a.generation, a.roster, pace, scores))
+        self._judge(group, pace, scores[a.rank])
+
+    def close(self) -> None:
+        self._reporter.stop()
+
+    # -- inside -----------------------------------------------------------------------------------
+
+    def _begin(self, group: Any) -> None:
+        """The first check of a new group (everything afresh: the first exchange is at the
+        next check, and agrees on the period), or the first after measuring was switched
+        on again (a new span; the period and the rest go on)."""
+        self._counted = 0
+        self._resumed = False
+        if group is self._group:
+            self._meter.start(fresh=False)
+            return
+        self._group = group
+        self._meter.start()
+        self._due_in = 1
+        self._detector = StragglerDetector(self._clock())
+        self._last_action = None
+        self._pace, self._score = None, math.nan
+
+    def _judge(self, group: Any, pace: GroupPace, score: float) -> None:
+        settings = StragglerSettings.of(self._coordinator.config)
+        if settings.policy is StragglerPolicy.OFF:
+            self._detector.forget()
+            return
+        verdict = self._detector.observe(self._clock(), score, settings)
+        if verdict.pace is not Pace.STRAGGLING or self._evicting.is_set():
+            return
+        a = group.assignment
+        decision = decide(settings.policy, pace, a.rank, self._remaining(),
+                          int(self._coordinator.config.min_np))
+        me = self._coordinator.member_id
+        detail = _detail(pace, a.rank, verdict.slow_since, self._clock(), decision)
+        if verdict.new_episode:
+            log.warning("straggler: %s", detail)
+            self._reporter.report(StragglerReport(me, self._coordinator.host, a.generation,
+                                                  score, detail))
+        elif decision.action is not self._last_action:
+            log.info("straggler: %s", detail)
+        self._last_action = decision.action
+        if decision.action is Action.EVICT:
+            self._evicting.set()  # before the write: the leave it causes must find it set
+            self._reporter.evict(Eviction(me, a.generation, detail))
+
+    def _remaining(self) -> int:
+        """Peers the next roster would have without this one (standbys included)."""
+        me = self._coordinator.member_id
+        snap = self._coordinator.snapshot()
+        others = sum(1 for m in snap.eligible() if m.id != me)
+        cap = int(self._coordinator.config.max_np)
+        return min(others, cap) if cap else others
+
+
+def _detail(pace: GroupPace, rank: int, since: float | None, now: float,
+            decision: Decision) -> str:
+    """The event's text: how slow, for how long, and what it did."""
+    others = pace.own_s[:rank] + pace.own_s[rank + 1:]
+    median = statistics.median(others) if others else 0.0
+    lasted = f" for {now - since:.0f} s" if since is not None else ""
+    return (f"score {pace.scores()[rank]:.2f}{lasted}: its own time "
+            f"{pace.own_s[rank] * 1000:.1f} ms per step against "
+            f"{median * 1000:.1f} ms for the others; {decision.describe()}")
+
+
+def _pace_record(generation: int, roster: tuple[str, ...], pace: GroupPace,
+                 scores: tuple[float, ...]) -> PaceRecord:
+    return PaceRecord(
+        generation=generation, unix=time.time(), step_s=pace.step_s,
+        peers=[PeerPace(member_id=m, score=s, own_s=o, waited_s=w) for m, s, o, w
+               in zip(roster, scores, pace.own_s, pace.waited_s, strict=True)])
