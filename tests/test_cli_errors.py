@@ -22,6 +22,7 @@ from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd_server import ETCD_BINARY_ENV
 from tests.helpers.cli import start_etcd_command
+from tests.helpers.thread_signal import TGKILL, signal_a_thread_other_than_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0)
@@ -194,6 +195,23 @@ def test_etcd_command_exit_code_follows_the_signal(tmp_path: Path, sig: signal.S
     try:
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == code
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(TGKILL is None, reason="tgkill's number is known for x86_64 and aarch64")
+def test_dashboard_stops_on_a_ctrl_c_that_another_thread_received(running_job: str,
+                                                                  etcd: str) -> None:
+    # The kernel gives a process-directed signal to any thread; Python runs the handler in
+    # the main thread only, at its next bytecode. The main thread must not sleep through it.
+    proc = subprocess.Popen([sys.executable, "-m", "peer_elastic.cli", "dashboard", "--etcd",
+                             etcd, "--job", running_job, "--port", "0"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert "dashboard of job" in proc.stderr.readline()
+        signal_a_thread_other_than_main(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == ExitCode.INTERRUPTED
     finally:
         proc.kill()
         proc.wait(timeout=10)

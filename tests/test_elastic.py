@@ -21,6 +21,7 @@ from tests.helpers.worker_lines import (
     callback_digests,
     gen_lines,
     result_of,
+    results,
     starts,
     wait_more_steps,
 )
@@ -154,7 +155,7 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
     end.touch()
     for p in (a, c):
         assert p.wait(180) == 0, p.output()
-    r = result_of(a)
+    (r,) = results([a, c])  # rank 0's, whichever registered first
     assert r["exact"] and r["identical"] and r["world"] == 2, r
     if hook:  # every check after a step took the step's vote: none exchanged its own
         assert r["check_exchanges"] == 0, r
@@ -214,7 +215,8 @@ def test_set_epoch_at_the_start_of_every_epoch_keeps_a_resets_progress(cluster: 
     end.touch()
     for p in (a, b, d):
         assert p.wait(240) == 0, p.output()
-    r = result_of(a)
+    # Whichever peer registered first is rank 0 and prints the one RESULT.
+    (r,) = results([a, b, d])
     assert r["exact"] and r["identical"], r
     # Re-entered in the middle of an epoch with progress held (the trap this guards).
-    assert any(processed > 0 for _, processed, _ in starts(a)), a.output()
+    assert any(processed > 0 for p in (a, b, d) for _, processed, _ in starts(p)), a.output()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from peer_elastic.cli.etcd import start_etcd
 from peer_elastic.cli.exit_codes import CommandFailed, ExitCode
 from peer_elastic.cli.parser import chosen_log_level
+from peer_elastic.cli.stopping import wait_for_exit
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
@@ -250,7 +251,7 @@ def _run_peers(cmd: list[str], envs: Sequence[Mapping[str, str]], output: Output
             if tracker is not None:
                 tracker.add(i, p.pid)
             mux.attach(i, p.stdout, p.stderr)
-        codes = [p.wait() for p in procs]
+        codes = [wait_for_exit(p) for p in procs]
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)

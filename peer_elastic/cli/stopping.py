@@ -8,13 +8,19 @@ as a shell expects.
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
+import time
 from types import TracebackType
 
 from peer_elastic.cli.exit_codes import ExitCode
 from peer_elastic.process.signal_relay import SignalRelay
 
-__all__ = ["StopSignals"]
+__all__ = ["StopSignals", "wait_for_exit"]
+
+#: How long the main thread waits at a time, so a signal's Python handler runs soon after it
+#: came (see :meth:`StopSignals.wait`).
+SLICE_S = 0.2
 
 
 class StopSignals:
@@ -35,8 +41,20 @@ class StopSignals:
         self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once a stop signal came (within ``timeout``, None: no limit)."""
-        return self._stopped.wait(timeout)
+        """True once a stop signal came (within ``timeout``, None: no limit).
+
+        Waits in short slices. Why: a process-directed signal goes to any thread that does
+        not block it, and Python runs its handler in the main thread at the next bytecode;
+        a main thread blocked in one endless wait never gets there. A Ctrl-C that the
+        kernel gave to a gRPC or HTTP thread left the dashboard serving for good (1 in 6
+        tries on a loaded machine)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = SLICE_S if deadline is None else min(SLICE_S, deadline - time.monotonic())
+            if self._stopped.wait(max(left, 0.0)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     @property
     def exit_code(self) -> ExitCode:
@@ -50,3 +68,14 @@ class StopSignals:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._relay.uninstall()
+
+
+def wait_for_exit(proc: subprocess.Popen) -> int:
+    """``proc``'s exit code, waited for in slices: the signal handlers of the main thread
+    (the launcher's, that pass a stop on to its peers) run meanwhile, whichever thread the
+    kernel gave the signal to (why: :meth:`StopSignals.wait`)."""
+    while True:
+        try:
+            return proc.wait(timeout=SLICE_S)
+        except subprocess.TimeoutExpired:
+            continue
