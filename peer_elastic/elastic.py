@@ -54,7 +54,7 @@ from peer_elastic.memo import IdentityMemo
 from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
 from peer_elastic.sharded.durable import ShardedSnapshots
 from peer_elastic.sharded.regroup import regroup
-from peer_elastic.sharded.state import ShardedState
+from peer_elastic.sharded.state import ShardedState, forget_meshes
 from peer_elastic.torch.abort import HangWatchdog
 from peer_elastic.torch.check_cadence import CheckCadence
 from peer_elastic.torch.collectives import agree_and_sync
@@ -642,6 +642,10 @@ class Peer:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._pending.drop()
+        # DTensor's caches pin the last mesh and its group: cleared, the group goes with the
+        # last module on it (its destructor joins its gloo threads) instead of living on
+        # through the interpreter's exit.
+        forget_meshes()
         self.groups.close()
 
 
