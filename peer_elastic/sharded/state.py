@@ -17,6 +17,7 @@ commit the previous copies stay until every rank confirmed the new ones (:meth:`
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -113,8 +114,11 @@ def forget_meshes() -> None:
     and its destructor joins those threads.
 
     torch exposes the clearing only under private names; what another torch lacks is
-    skipped.
+    skipped. A process that never imported DTensor has nothing cached, and its import is
+    not paid for here.
     """
+    if "torch.distributed.tensor" not in sys.modules:
+        return
     for module_name, path in _MESH_CACHES:
         try:
             clear: Any = importlib.import_module(module_name)
