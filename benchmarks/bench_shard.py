@@ -34,7 +34,9 @@ one step and saves, as at a commit. Then:
 
 Every timing is the slowest rank's (a barrier before each variant, the maximum over ranks at
 the end). ``--rounds`` fresh sets of processes repeat all of it (a crash happens once per
-set); the report gives medians and minimums over every repetition.
+set); the report gives medians and minimums over every repetition. Each process ends by
+freeing its process groups, their gloo threads joined, before its interpreter exits (a
+thread left fails the run).
 
 Memory: each process samples its resident set (``/proc/self/statm``, every 2 ms) during the
 first save after the training step (a commit) and during ``regroup``, and reports the peak
@@ -88,6 +90,7 @@ from peer_elastic.sharded.plan import (
     rows,
     senders_by_pair,
 )
+from peer_elastic.sharded.state import forget_meshes
 from peer_elastic.state.agreement import Claim, StateVersion
 
 WORLD = 3
@@ -249,6 +252,54 @@ def init_group(port: int, rank: int, world: int) -> None:
 
 def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: str,
            results: Any) -> None:
+    """One process of a set: the measurements, then its process groups freed."""
+    out = measure(rank, args, ports, ckpt)
+    if out is not None:
+        results.put(out)
+    dist.barrier()  # every rank's collectives are done: none is in flight past here
+    dist.destroy_process_group()
+    free_groups()
+
+
+def gloo_threads() -> int:
+    """How many of this process's threads are gloo's (a group's workers and network loop)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+def free_groups() -> None:
+    """Free this process's process groups now, while the interpreter is whole; raise if a
+    gloo thread is left.
+
+    ``destroy_process_group`` only unregisters a group: the object lives on while anything
+    holds it (the FSDP modules on its mesh, DTensor's caches of meshes), and so do its gloo
+    worker and network threads. Left to the interpreter's exit, they run on while it
+    finalizes, and one of them that takes the GIL then (freeing a work that holds a Python
+    object, running a completion hook) is ended by the interpreter with ``pthread_exit``,
+    whose unwind through C++ is ``std::terminate``: "terminate called without an active
+    exception", SIGABRT after the work was done. Freed here, each group's destructor joins
+    its threads first. The modules went with :func:`measure`'s frame; DTensor's caches go
+    here, then the cycles that still hold a group.
+    """
+    forget_meshes()
+    gc.collect()
+    left = gloo_threads()
+    if left:
+        raise RuntimeError(f"{left} gloo threads still run once the process groups were "
+                           "released: something still holds a group")
+
+
+def measure(rank: int, args: argparse.Namespace, ports: tuple[int, int],
+            ckpt: str) -> dict[str, Any] | None:
+    """Everything one process measures; the report on the new rank 0, None on the other
+    survivor (the crashed rank exits inside). Every object on a group's mesh is made here
+    and goes with this frame."""
     torch.set_num_threads(1)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -451,10 +502,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], ckpt: st
     peers: list[Any] = [None] * (WORLD - 1)
     dist.all_gather_object(peers, mine)
     out["memory_by_rank"] = peers
-    if new_rank == 0:
-        results.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out if new_rank == 0 else None
 
 
 # -- the driver ---------------------------------------------------------------------------------

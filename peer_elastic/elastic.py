@@ -53,7 +53,7 @@ from peer_elastic.observer import (
 )
 from peer_elastic.publisher import ProgressRecorder, Publisher
 from peer_elastic.records import GenerationRecord
-from peer_elastic.sharded.state import ShardedState
+from peer_elastic.sharded.state import ShardedState, forget_meshes
 from peer_elastic.state.protocol import ElasticState
 from peer_elastic.state_keeping import KeepingCoordinator, StateKeeping
 from peer_elastic.straggler.watch import StragglerWatch
@@ -456,4 +456,8 @@ class Peer:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._checks.drop()
+        # DTensor's caches pin the last mesh and its group: cleared, the group goes with the
+        # last module on it (its destructor joins its gloo threads) instead of living on
+        # through the interpreter's exit.
+        forget_meshes()
         self.groups.close()

@@ -22,7 +22,13 @@ import pytest
 from tests.helpers.cli import cli
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc, wait_until
-from tests.helpers.worker_lines import callback_digests, committed_digests, wait_more_steps
+from tests.helpers.worker_lines import (
+    callback_digests,
+    committed_digests,
+    start_world_of_3,
+    wait_more_steps,
+    wait_world,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +100,15 @@ def test_a_crashed_peer_s_shard_comes_from_its_copy_and_the_state_is_the_commit(
         cluster: Cluster) -> None:
     # Three peers, FSDP over 3; SIGKILL of a non-leader between commits: the survivors go on
     # from the last commit resharded to 2, with no disk, and the rebuilt state is the
-    # commit's bit for bit.
+    # commit's bit for bit. Under load the peers may register apart and train in smaller
+    # worlds first: the crash comes once all three train together.
     peers = cluster.start(3, WORKER_EPOCHS=2, WORKER_COMMIT_EVERY=3)
-    a, b, c = peers
-    for p in peers:
-        p.wait_line("GEN", timeout=90)
+    a, b, c = start_world_of_3(*peers)  # by rank: a leads
     wait_more_steps(a, 4)
     b.signal(signal.SIGKILL)
     finish([a, c])
     sizes = [size for _, size, _, _ in rebuilt_states(a)]
-    assert sizes[0] == 3 and 2 in sizes, sizes
+    assert 2 in sizes[sizes.index(3):], sizes
     assert assert_rebuilt_from_commits(peers, a) >= 1
     assert all(len(d) == 1 for d in callback_digests([a, c]).values())
 
@@ -174,8 +179,15 @@ def test_a_whole_job_restart_resumes_its_sharded_snapshot_at_another_world_size(
     c = Cluster(etcd, unique_job, **settings)
     try:
         peers = c.start(before)
-        peers[0].wait_line("GEN", timeout=90)
-        wait_until(lambda: len(directory.names()) >= 2, 120, "second snapshot", peers)
+        for p in peers:  # under load they may register apart and form smaller worlds first
+            wait_world(p, before, 90, seen=0)
+
+        def newest_of_the_whole_world() -> bool:
+            newest = directory.newest_complete(sharded=True)
+            return newest is not None and newest.world_size == before
+
+        wait_until(lambda: len(directory.names()) >= 2 and newest_of_the_whole_world(), 120,
+                   f"a second snapshot, the newest of a world of {before}", peers)
         peers[0].wait_line("STEP", timeout=60, after=len(peers[0].lines))
         for p in peers:
             p.signal(signal.SIGKILL)
@@ -252,10 +264,14 @@ def test_hsdp_resizes_down_and_up_and_comes_back_bit_identical(
     # (graceful: its shard is handed to the ranks that stay) and 3 ranks shard 1 x 3 (3 does
     # not factor by 2: shards get finer, never coarser); a crash of a running peer promotes
     # the standby (it receives only its rows); set max_np=4 and a new peer bring back 2 x 2
-    # (N -> N-1 -> N). Every rebuilt state is its commit's, bit for bit.
+    # (N -> N-1 -> N). Every rebuilt state is its commit's, bit for bit. A long start settle:
+    # the first generation forms the moment all four are there (max_np), never with fewer
+    # (on a loaded machine they register apart), so the generations counted below are
+    # exactly those of the resizes.
     end = tmp_path / "end"
     env = dict(WORKER_EPOCHS=500, WORKER_END_FILE=end, WORKER_SHARDED="hsdp:2",
-               WORKER_SAMPLES=120, WORKER_RECORD="indices", PEER_ELASTIC_MAX_NP=4)
+               WORKER_SAMPLES=120, WORKER_RECORD="indices", PEER_ELASTIC_MAX_NP=4,
+               PEER_ELASTIC_START_SETTLE=60)
     peers = cluster.start(4, **env)
     for p in peers:
         p.wait_line("GEN", timeout=90)

@@ -9,7 +9,10 @@ holds nothing), its gathered parameters and Adam state compared with the saved o
 from __future__ import annotations
 
 import functools
+import gc
 import json
+import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -161,6 +164,57 @@ def test_a_sharded_state_comes_back_bit_identical_at_fewer_ranks(tmp_path: Path)
 def test_a_sharded_state_comes_back_bit_identical_with_a_joiner(tmp_path: Path) -> None:
     run_world(functools.partial(_round_trip, first=2, second=3), 3, tmp_path)
     _check_round_trip(tmp_path, 3)
+
+
+def _gloo_threads() -> int:
+    """How many of this process's threads are gloo's (a group's workers and network loop)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+def _previous_group_goes(rank: int, world: int, out: Path) -> None:
+    """Generation 1 trains, gathers its parameters (DTensor redistributes them: its caches
+    now hold the mesh) and saves; generation 2 takes the state over. Generation 1's group
+    must be gone then: its mesh freed and its gloo threads joined."""
+    import peer_elastic as pe
+    from peer_elastic.sharded.regroup import regroup
+
+    dist.destroy_process_group()  # run_world's group: the generations make their own
+    state = pe.ShardedState(model=_Net, parallelize=_parallelize,
+                            optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+    cpu = torch.device("cpu")
+    version = StateVersion(7, 3, 1, 5)
+    dist.init_process_group("gloo", store=dist.FileStore(str(out / "gen1"), world), rank=rank,
+                            world_size=world)
+    regroup(state, Claim(StateVersion(), True), cpu, 1)
+    state.model(torch.randn(4, 5)).pow(2).sum().backward()
+    state.optimizer.step()
+    _gathered(state)
+    state.expect_save(version)
+    state.save()
+    first_mesh = weakref.ref(state.mesh)
+    one_group = _gloo_threads()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(str(out / "gen2"), world), rank=rank,
+                            world_size=world)
+    regroup(state, Claim(version, False), cpu, 2)
+    gc.collect()  # a module and its hooks are cycles
+    (out / f"{rank}.json").write_text(json.dumps(
+        {"mesh freed": first_mesh() is None, "gloo threads": _gloo_threads(),
+         "one group": one_group}))
+
+
+@pytest.mark.slow
+def test_a_regroup_frees_the_previous_group_and_its_threads(tmp_path: Path) -> None:
+    run_world(_previous_group_goes, 2, tmp_path)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got["mesh freed"] and got["gloo threads"] == got["one group"] > 0, (rank, got)
 
 
 def test_sharded_state_refuses_what_cannot_be_rebuilt_and_says_why() -> None:

@@ -16,6 +16,8 @@ commit the previous copies stay until every rank confirmed the new ones (:meth:`
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +33,7 @@ from peer_elastic.state.agreement import StateVersion
 from peer_elastic.state.states import TorchState
 from peer_elastic.torch.transport.snapshots import copy_all, same_meta
 
-__all__ = ["Arrived", "SavedShards", "ShardedState"]
+__all__ = ["Arrived", "SavedShards", "ShardedState", "forget_meshes"]
 
 ModelBuilder = Callable[[], nn.Module]
 Parallelize = Callable[[nn.Module, Any], "nn.Module | None"]
@@ -84,29 +86,48 @@ def _copies_of(tensors: list[torch.Tensor], reuse: list[torch.Tensor] | None
     return out
 
 
-def _forget_old_meshes() -> None:
-    """Clear DTensor's caches of sharding decisions before a new group's mesh is used.
+#: DTensor's caches that keep device meshes: (module, the path to the function that clears
+#: it). See forget_meshes.
+_MESH_CACHES = (
+    ("torch.distributed.tensor.debug", ("_clear_sharding_prop_cache",)),
+    ("torch.distributed.tensor._redistribute", ("_gen_transform_infos", "cache_clear")),
+    ("torch.distributed.tensor._redistribute", ("clear_redistribute_planner_cache",)),
+    ("torch.distributed.tensor._collective_utils",
+     ("MeshTopoInfo", "build_from_mesh", "cache_clear")),
+)
 
-    They are keyed by mesh *equality* (shape, ranks, dimension names), and the mesh of a new
-    group equals an earlier group's mesh of the same shape, while its process groups are
-    other ones under other names. A cached decision then names a group of the earlier
-    generation: seen as "Could not resolve the process group registered under the name 4"
-    on a rank whose place in the mesh changed (HSDP 2 x 2, then 1 x 3, then 2 x 2 again).
-    torch exposes the clearing only under private names; without them (another torch) there
-    is nothing to clear.
+
+def forget_meshes() -> None:
+    """Clear DTensor's caches that keep device meshes: before a new group's mesh is used, and
+    when a process is done with its groups.
+
+    Two reasons. The caches of sharding decisions are keyed by mesh *equality* (shape,
+    ranks, dimension names), and the mesh of a new group equals an earlier group's mesh of
+    the same shape, while its process groups are other ones under other names. A cached
+    decision then names a group of the earlier generation: seen as "Could not resolve the
+    process group registered under the name 4" on a rank whose place in the mesh changed
+    (HSDP 2 x 2, then 1 x 3, then 2 x 2 again). And the redistribute planners and the mesh
+    topologies are cached with a strong reference to their mesh, which holds its process
+    groups: a destroyed group is then never freed, and its gloo worker and network threads
+    (and its sockets) stay until the process ends, one set per generation, still running
+    while the interpreter finalizes. Cleared, a group goes with the last module on its mesh,
+    and its destructor joins those threads.
+
+    torch exposes the clearing only under private names; what another torch lacks is
+    skipped. A process that never imported DTensor has nothing cached, and its import is
+    not paid for here.
     """
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # pragma: no cover - another torch
+    if "torch.distributed.tensor" not in sys.modules:
         return
-    _clear_sharding_prop_cache()
-    try:
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
-    except ImportError:  # pragma: no cover - another torch
-        return
-    clear = getattr(_gen_transform_infos, "cache_clear", None)
-    if clear is not None:
-        clear()
+    for module_name, path in _MESH_CACHES:
+        try:
+            clear: Any = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - another torch
+            continue
+        for name in path:
+            clear = getattr(clear, name, None)
+        if callable(clear):
+            clear()
 
 
 class ShardedState(TorchState):
@@ -203,7 +224,7 @@ class ShardedState(TorchState):
     def _mesh_for(self, layout: Layout, device: torch.device) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _forget_old_meshes()
+        forget_meshes()
         if self.shard_degree is None:
             return init_device_mesh(device.type, (layout.world,), mesh_dim_names=("shard",))
         return init_device_mesh(device.type, (layout.replicas, layout.shards),

@@ -18,6 +18,10 @@ def _entry(fn, rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
     )
+    # Every rank's connections are up before fn runs: one that destroys the group at once
+    # (a fn that forms its own) would otherwise close them under a rank still connecting
+    # ("Connection closed by peer" in its init, and the other ranks wait for it).
+    dist.barrier()
     try:
         fn(rank, world, Path(outdir))
     finally:
