@@ -7,13 +7,14 @@ CPU, one thread per peer):
 0.4 M parameters, ``DistributedOptimizer`` with SGD and momentum) with a
 ``check_host_updates()`` after every step. Rounds of two blocks of ``--steps`` steps, one
 with the straggler watch on (``peer.straggler.enabled``: each check clocks its interval,
-about once a second the group exchanges its paces in one blocking all-reduce) and one with
+about once a second the group exchanges its paces in one all-reduce, completed at the next
+exchange) and one with
 it off, in an order that alternates by round (the same on every rank). Reported: the check's
 mean and median time with and without, and the step's overhead, paired by round (the
 median over rounds and ranks of the step with measuring against the same round's step
 without), with a 95 % bootstrap interval, in wall time and in the CPU time of the process
-(all its threads; without the waits on other ranks, which the blocking exchange only moves
-from the next gradient all-reduce to itself). And, in this process right after a training
+(all its threads; without the waits on other ranks, which load the wall time with the
+noise of a busy machine). And, in this process right after a training
 step (the caches cold, as in a loop), what counting a check and timing an all-reduce cost.
 
 ``throughput``: samples per second of a job whose peers each train a small model plus

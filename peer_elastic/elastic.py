@@ -597,6 +597,7 @@ class Peer:
         """The training function returned on every rank: complete the last check's op (every
         rank issued it), so the group is never torn down under it. Its answer no longer
         matters, and neither does its failure (a peer that died since): the run is done."""
+        self.straggler.settle()  # the exchange of paces in flight, likewise
         if self._group is None or not self._pending.pending:
             self._pending.drop()
             return
@@ -612,6 +613,7 @@ class Peer:
         """We are out of the roster: wait (bounded) until the others formed, then go."""
         log.info("%s", why)
         self._pending.drop()
+        self.straggler.drop()
         coord = self.coordinator
         snap = coord.snapshot()
         gen = snap.generation
