@@ -61,6 +61,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 EVICT_TARGET = 0.9
+#: Detection within the window plus this many exchanges of paces: the first measurement
+#: that is all slow ends up to two exchanges after the slowdown began, the verdict comes at
+#: the first exchange a window later, and the event is written after it.
+DETECTION_SLACK_EXCHANGES = 4
 BOOTSTRAP_SAMPLES = 1000
 
 
@@ -420,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import peer_elastic
     from peer_elastic.etcd_server import EtcdServer
+    from peer_elastic.straggler.meter import EXCHANGE_EVERY_S
 
     parts = {p.strip() for p in args.parts.split(",")}
     doc: dict[str, Any] = {
@@ -478,12 +483,14 @@ def main(argv: list[str] | None = None) -> int:
             doc["targets"] = {
                 "evict_vs_healthy_3": ratio,
                 "evict_at_least_90_pct": ratio >= EVICT_TARGET,
+                # the window, plus the few measurements it takes to see the first slow one
                 "detected_within_window": detected is not None
-                and detected <= args.window + args.cooldown,
+                and detected <= args.window + DETECTION_SLACK_EXCHANGES * EXCHANGE_EVERY_S,
             }
             seen = f"{detected:.1f} s" if detected is not None else "none"
             print(f"evict / healthy-3 = {ratio:.2f} (target >= {EVICT_TARGET}); detection "
-                  f"{seen} after the throttle, window {args.window:.0f} s")
+                  f"{seen} after the throttle, window {args.window:.0f} s (target: within "
+                  f"it plus {DETECTION_SLACK_EXCHANGES} exchanges)")
     print(f"load average at the end: {os.getloadavg()}")
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2))
