@@ -203,7 +203,8 @@ class Peer:
         ``DistributedOptimizer`` step (or a DDP backward pass with ``pe.allreduce_hook``) ran
         since the last check, its gradient all-reduce already carried the same bit
         (:mod:`peer_elastic.torch.reset_vote`): the check takes that and issues nothing, so
-        it runs no collective at all.
+        it runs no collective at all (but for the exchange of paces, about once a second, at
+        the top: :mod:`peer_elastic.straggler`).
 
         A commit, and a plain check whose completed exchange says a reset is due, need to
         know whether some rank holds unmerged progress *now*: they run one blocking
