@@ -25,14 +25,14 @@ no longer hot, which is what a training loop sees);
     momentum buffers that the ``DistributedOptimizer`` variants step);
   - ``step_opt_check``: the same loop written with peer-elastic's ``DistributedOptimizer``
     and a ``peer.check_host_updates()`` after every step. The check takes the reset vote the
-    optimizer's gradient all-reduce carried (``peer_elastic.torch.reset_vote``) and runs no
+    optimizer's gradient all-reduce carried (``peer_elastic.torch.check.reset_vote``) and runs no
     collective of its own. This is the target's measure;
   - ``step_opt``: ``DistributedOptimizer`` without the check (what averaging alone costs);
   - ``step_plain_views``: the hand-written loop with the gradients set to views of the
     averaged buffer instead of copied back, the memory work ``DistributedOptimizer`` does;
     ``opt_check_vs_views`` is ``step_opt_check`` against it: peer-elastic's own bookkeeping;
   - ``step_check`` / ``step_commit``: the hand-written loop followed by a check (which then
-    exchanges its bit itself, asynchronously: ``peer_elastic.torch.pending_check``) or by
+    exchanges its bit itself, asynchronously: ``peer_elastic.torch.check.pending_check``) or by
     ``state.commit()``.
 
   ``plain``, ``plain_again`` (the same step again: the A/A pair shows the measurement's

@@ -14,7 +14,7 @@ about 1 MiB) with SGD. The variants of the same step:
   against DDP's C++ reducer);
 * ``ddp_check``: DDP's reducer, then a check. No step carried the vote, so the check
   exchanges its own bit (an async all-reduce, completed at the next check:
-  ``peer_elastic.torch.pending_check``).
+  ``peer_elastic.torch.check.pending_check``).
 
 The first five alternate step by step, in an order shuffled every round (the same seed on
 every rank), each against the same round's ``ddp`` step (the median of the ratios, with a

@@ -258,13 +258,13 @@ class Worker:
                 "members": len(self.coords), "applies": self.view.applies}
 
     def _add_stats(self, c: Coordinator) -> None:
-        for k, v in c.stats.items():
+        for k, v in c.counters.as_dict().items():
             self.closed_stats[k] = self.closed_stats.get(k, 0) + v
 
     def stats(self) -> dict[str, int]:
         out = dict(self.closed_stats)
         for c in self.coords.values():
-            for k, v in c.stats.items():
+            for k, v in c.counters.as_dict().items():
                 out[k] = out.get(k, 0) + v
         out["errors"] = sum(1 for c in self.coords.values() if c.error is not None)
         return out

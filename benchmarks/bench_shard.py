@@ -77,7 +77,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.sharded import ShardedState
 from peer_elastic.sharded import regroup as regroup_mod
 from peer_elastic.sharded.catalog import live_tensors
@@ -89,6 +88,7 @@ from peer_elastic.sharded.plan import (
     rows,
     senders_by_pair,
 )
+from peer_elastic.state.agreement import Claim, StateVersion
 
 WORLD = 3
 REDUNDANCY = 1

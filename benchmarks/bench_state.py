@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import TorchState
+from peer_elastic.state.sampler import ElasticSampler
 
 WORLD = 2
 WORKER_TIMEOUT_S = 600

@@ -49,19 +49,19 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.state import TorchState
-from peer_elastic.torch.collectives import (
+from peer_elastic.state.agreement import Claim, StateVersion
+from peer_elastic.state.sync import agree_and_sync
+from peer_elastic.torch.transport.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_DIRECT_BYTES,
     DEFAULT_SPLIT_BYTES,
-    agree_and_sync,
-    broadcast_tensors,
     halves,
     plan_buckets,
-    syncing_from,
 )
-from peer_elastic.torch.snapshots import copy_all
+from peer_elastic.torch.transport.collectives import broadcast_tensors
+from peer_elastic.torch.transport.snapshots import copy_all
+from peer_elastic.torch.transport.sync_source import syncing_from
 
 WORKER_TIMEOUT_S = 1800
 # millions of parameters -> layer width (default 2048). 5M at width 128 is a deep model:

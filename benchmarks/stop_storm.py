@@ -6,7 +6,7 @@ every 0.5-3 s one of them, chosen at random, is stopped for 0.2-5 s (under and p
 ``join_timeout_s`` and the lease TTL). A peer that prints nothing for 25 s while this runs
 is a freeze: its stacks are dumped with ``py-spy dump --native`` (when py-spy is installed)
 and its output written to ``--log-dir``, and the run fails. This is how the GIL deadlock
-of :mod:`peer_elastic.torch.retired_groups` was caught: with DDP rebuilt in the reset
+of :mod:`peer_elastic.torch.gloo.retired_groups` was caught: with DDP rebuilt in the reset
 callback and two busy loops on the 2 cores (``--hogs 2``), 2 of 3 runs of 280 s froze a
 peer before the fix.
 

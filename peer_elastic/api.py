@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from peer_elastic import logs, netaddr, threads
+from peer_elastic import logs
 from peer_elastic import settings_table as env
 from peer_elastic.config import JobSettings
 from peer_elastic.elastic import Peer
@@ -33,9 +33,10 @@ from peer_elastic.etcd.client import EtcdClient, client_from_env
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.liveness import EXIT_HUNG
 from peer_elastic.metrics import NoopMetrics, PeerMetrics
-from peer_elastic.netaddr import select_address
-from peer_elastic.probe_listener import ProbeListener
-from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.process import netaddr, threads
+from peer_elastic.process.netaddr import select_address
+from peer_elastic.process.probe_listener import ProbeListener
+from peer_elastic.process.signal_relay import SignalRelay
 from peer_elastic.straggler.policy import EXIT_STRAGGLER
 
 log = logging.getLogger(__name__)
@@ -141,21 +142,10 @@ def join(
     metrics = PeerMetrics.from_env(local_rank=local_rank, host=host)
     probe: ProbeListener | None = None
     try:
-        # Which address this peer's groups use (gloo's own pick can be 127.0.1.1), and a
-        # listener on it so that the others can check they reach it before forming a group.
-        net = select_address((e.host, e.port) for e in getattr(client, "endpoints", ()))
-        log.info("process groups use %s (%s%s)", net.address or "gloo's choice", net.how,
-                 f", interface {net.ifname}" if net.ifname else "")
-        if net.address:
-            try:
-                probe = ProbeListener(net.address)
-            except OSError as exc:
-                raise ConfigError(f"cannot listen on {net.address}, the address chosen for "
-                                  f"this peer's process groups ({net.how}): {exc}; "
-                                  f"{netaddr.FIX}") from None
+        net_address, probe = _group_address(client)
         coord = Coordinator(client, job, job_settings, host=host, labels=labels,
                             local_rank=local_rank, address=metrics.address,
-                            net_address=net.address, probe_port=probe.port if probe else 0)
+                            net_address=net_address, probe_port=probe.port if probe else 0)
     except BaseException:
         if probe is not None:
             probe.close()
@@ -166,40 +156,72 @@ def join(
     on_sigterm: SignalRelay | None = None
     _enter_open_joins()
     try:
-        coord.start()
-        logs.set_context(member=coord.member_id)
-        peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
-                          abandon_hung_collectives)
-        if handle_sigterm and threading.current_thread() is threading.main_thread():
-            on_sigterm = SignalRelay((signal.SIGTERM,), _leave_on_signal(coord)).install()
-        _active = peer
-        yield peer
+        with _exit_with_the_jobs_verdict():
+            coord.start()
+            logs.set_context(member=coord.member_id)
+            peer = _make_peer(coord, metrics, local_rank, backend, collective_timeout_s,
+                              abandon_hung_collectives)
+            if handle_sigterm and threading.current_thread() is threading.main_thread():
+                on_sigterm = SignalRelay((signal.SIGTERM,), _leave_on_signal(coord)).install()
+            _active = peer
+            yield peer
+    finally:
+        _active = None
+        if on_sigterm is not None:
+            on_sigterm.uninstall()
+        _close_join(peer, coord, client, metrics, probe)
+
+
+def _group_address(client: EtcdClient) -> tuple[str, ProbeListener | None]:
+    """Which address this peer's groups use (gloo's own pick can be 127.0.1.1; "" leaves it
+    to gloo), and a listener on it, so that the others can check they reach it before
+    forming a group."""
+    net = select_address((e.host, e.port) for e in getattr(client, "endpoints", ()))
+    log.info("process groups use %s (%s%s)", net.address or "gloo's choice", net.how,
+             f", interface {net.ifname}" if net.ifname else "")
+    if not net.address:
+        return net.address, None
+    try:
+        return net.address, ProbeListener(net.address)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {net.address}, the address chosen for "
+                          f"this peer's process groups ({net.how}): {exc}; "
+                          f"{netaddr.FIX}") from None
+
+
+@contextlib.contextmanager
+def _exit_with_the_jobs_verdict() -> Iterator[None]:
+    """A job that finished or failed as a whole ends this process with one line and the
+    job's verdict as the exit code."""
+    try:
+        yield
     except JobFinished as exc:
-        # A late joiner or a standby of a finished job: one line, and the job's verdict as
-        # the exit code: 0 when it succeeded, EXIT_JOB_FAILED when it failed, so a unit with
-        # Restart=on-failure and RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
+        # A late joiner or a standby of a finished job: 0 when it succeeded,
+        # EXIT_JOB_FAILED when it failed, so a unit with Restart=on-failure and
+        # RestartPreventExitStatus=EXIT_JOB_FAILED stops here.
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(0 if exc.success else EXIT_JOB_FAILED) from None
     except (ElasticTimeout, ResetLimitExceeded, ShardedStateLost) as exc:
         print(f"peer-elastic: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_JOB_FAILED) from None
-    finally:
-        _active = None
-        if on_sigterm is not None:
-            on_sigterm.uninstall()
-        if peer is not None:
-            peer.close()
-        coord.close(leave=True)
-        client.close()
-        metrics.close()
-        if probe is not None:
-            probe.close()
-        # Last: no thread of this peer may still run when the process exits after join()
-        # (peer_elastic.threads). Each was asked to stop above; this only waits, and only
-        # when no other join() of this process is open (its threads run on, by design).
-        if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
-            log.warning("threads still running %.0f s after the peer closed (the process "
-                        "may abort or hang at exit): %s", THREADS_END_WAIT_S, ", ".join(left))
+
+
+def _close_join(peer: Peer | None, coord: Coordinator, client: EtcdClient,
+                metrics: PeerMetrics | NoopMetrics, probe: ProbeListener | None) -> None:
+    """Everything :func:`join` opened, closed: the peer leaves the job gracefully."""
+    if peer is not None:
+        peer.close()
+    coord.close(leave=True)
+    client.close()
+    metrics.close()
+    if probe is not None:
+        probe.close()
+    # Last: no thread of this peer may still run when the process exits after join()
+    # (peer_elastic.process.threads). Each was asked to stop above; this only waits, and only
+    # when no other join() of this process is open (its threads run on, by design).
+    if _leave_open_joins() == 0 and (left := threads.wait_all_ended(THREADS_END_WAIT_S)):
+        log.warning("threads still running %.0f s after the peer closed (the process "
+                    "may abort or hang at exit): %s", THREADS_END_WAIT_S, ", ".join(left))
 
 
 if join.__doc__:  # None under python -OO
@@ -231,7 +253,7 @@ def _make_peer(coord: Coordinator, metrics: PeerMetrics | NoopMetrics, local_ran
 
 def _leave_on_signal(coord: Coordinator) -> Callable[[int], None]:
     """What SIGTERM does, on the signal relay's thread (never in the handler: see
-    :mod:`peer_elastic.signal_relay`): the first asks to leave, later ones only say so."""
+    :mod:`peer_elastic.process.signal_relay`): the first asks to leave, later ones only say so."""
     asked = threading.Event()
 
     def leave(signum: int) -> None:

@@ -11,7 +11,7 @@ that cuts a buffer into chunks by its length (gloo at 4 ranks, say) may then add
 elements in another order: those can differ from the reducer's in the last bit. Every rank
 gets the same sums, as from any all-reduce, so the ranks stay identical.
 
-What it adds (:mod:`peer_elastic.torch.reset_vote`): while ``Peer.run`` runs the training
+What it adds (:mod:`peer_elastic.torch.check.reset_vote`): while ``Peer.run`` runs the training
 function, one bucket per backward pass (of each wrapper) is reduced with one more element,
 this rank's ballot (1 when it wants a reset, else 0). The summed element is positive exactly when some rank
 wants one, on every rank, and the next ``check_host_updates()`` takes it instead of issuing
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.direct_all_reduce import start_all_reduce
-from peer_elastic.torch.reset_vote import Ballot, ResetVote, current_vote
+from peer_elastic.torch.check.reset_vote import Ballot, ResetVote, current_vote
+from peer_elastic.torch.transport.direct_all_reduce import start_all_reduce
 
 __all__ = ["RIDER_BYTES", "allreduce_hook"]
 

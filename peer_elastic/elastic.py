@@ -10,7 +10,7 @@ One pass of :meth:`Peer.run`::
     -> reset callbacks on every rank (they see the new world size and may use collectives)
     -> agree on state: one all-gather of every rank's (needs state?, state version); sync
        from the lowest rank holding the newest version unless all hold the same one
-       (peer_elastic.agreement)
+       (peer_elastic.state.agreement)
     -> call the training function
          HostsUpdatedInterrupt -> keep live state, back to the top
          a failed collective   -> restore the last commit, mark the generation broken,
@@ -29,45 +29,66 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from peer_elastic import logs, threads
-from peer_elastic.agreement import Agreement, Claim, StateVersion
-from peer_elastic.durable.service import DurableSnapshots
-from peer_elastic.durable.writer import SnapshotInfo
+from peer_elastic import logs
 from peer_elastic.errors import (
     HostsUpdatedInterrupt,
     LeaveRequested,
     PeerElasticError,
     ShardedStateLost,
 )
-from peer_elastic.etcd.coordinator import Coordinator
-from peer_elastic.etcd.stop import RESET_NOW, stop_reason
 from peer_elastic.liveness import TrainingWatch
-from peer_elastic.lost_state import StateMarker, lost_state
-from peer_elastic.memo import IdentityMemo
-from peer_elastic.observer import NoObserver, PeerStats, StepObserver, observed
-from peer_elastic.sharded.durable import ShardedSnapshots
-from peer_elastic.sharded.regroup import regroup
+from peer_elastic.observer import (
+    NoObserver,
+    ObservedCoordinator,
+    PeerStats,
+    StepObserver,
+    observed,
+)
+from peer_elastic.publisher import ProgressRecorder, Publisher
+from peer_elastic.records import GenerationRecord
 from peer_elastic.sharded.state import ShardedState
+from peer_elastic.state.protocol import ElasticState
+from peer_elastic.state_keeping import KeepingCoordinator, StateKeeping
 from peer_elastic.straggler.watch import StragglerWatch
-from peer_elastic.torch.abort import HangWatchdog
-from peer_elastic.torch.check_cadence import CheckCadence
-from peer_elastic.torch.collectives import agree_and_sync
-from peer_elastic.torch.group import FormedGroup, GroupManager, is_collective_failure
-from peer_elastic.torch.max_exchange import MaxExchange
-from peer_elastic.torch.pending_check import PendingCheck
-from peer_elastic.torch.reset_vote import Ballot, ResetVote, voting
+from peer_elastic.torch.check.generation_check import GenerationCheck
+from peer_elastic.torch.check.reset_vote import voting
+from peer_elastic.torch.formed_group import FormedGroup
+from peer_elastic.torch.gloo.abort import HangWatchdog
+from peer_elastic.torch.group import GroupCoordinator, GroupManager, is_collective_failure
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+
+class PeerCoordinator(GroupCoordinator, KeepingCoordinator, ProgressRecorder,
+                      ObservedCoordinator, Protocol):
+    """What a :class:`Peer` uses of the coordinator: what its group manager, its state
+    keeping and its publisher use, what its observer reads (metrics), and the rest of this
+    peer's membership. The training thread's liveness fences the peer through it when the
+    thread hangs (:func:`peer_elastic.etcd.fence.fence_member`, which also reads
+    ``lease_id`` and ``close``)."""
+
+    local_rank: int
+    lease_id: int
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def latest_generation(self) -> GenerationRecord | None: ...
+
+    def finish(self, success: bool = True, reason: str = "",
+               timeout_s: float = ...) -> bool: ...
+
+    def close(self, leave: bool = True) -> None: ...
 
 
 class Peer:
@@ -75,7 +96,7 @@ class Peer:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: PeerCoordinator,
         *,
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
@@ -97,46 +118,28 @@ class Peer:
         # A collective that waits long makes the group manager check it can still reach
         # its peers: a peer cut off from them (not from etcd) keeps its lease.
         self._liveness = TrainingWatch(coordinator, lambda: self.generation,
-                                       on_waiting=self.groups.waited_on_peers)
+                                       on_waiting=self.groups.reach.waited_on_peers)
         self._group: FormedGroup | None = None
         self._incarnation = coordinator.incarnation
-        self._check_exchange: MaxExchange | None = None
-        # The generation exchange a plain check issued, completed at the next check that
-        # exchanges: every check, or every P-th when checks come fast (check_cadence).
-        self._pending = PendingCheck()
-        self._cadence = CheckCadence()
-        # Or, in a job averaging gradients with DistributedOptimizer, the same bit carried by
-        # the step's gradient all-reduce: then a check runs no collective of its own.
-        self._vote = ResetVote(self._ballot)
-        # What this rank wants (generation, vote), decided once per change of its facts.
-        self._wants: IdentityMemo[tuple[int, Ballot]] = IdentityMemo()
-        self._state: Any = None  # the state given to run()
-        self._synced_once = False
-        self._restored = False  # since the last reset (for metrics)
-        # The version of the live state and of the last commit (peer_elastic.agreement).
-        self._live = StateVersion()
-        self._committed = StateVersion()
+        # The per-step check's collectives: the generation exchange, its cadence, the vote
+        # carried by gradient all-reduces (peer_elastic.torch.check).
+        self._checks = GenerationCheck(coordinator, self.stats, self._liveness.collective,
+                                       lambda: self.device, lambda: self._group)
+        self._state: ElasticState | None = None  # the state given to run()
         self.resets = 0
         self.last_reset_s = 0.0
         self.reset_log: list[dict[str, Any]] = []
         self._pending_timing: dict[str, Any] | None = None
-        self._progress = _Publisher(coordinator)
-        # Rank 0 says in etcd that the state has commits (peer_elastic.lost_state).
-        self._marker = StateMarker(self._progress.offer_state)
+        self._progress = Publisher(coordinator)
         # peer_elastic.metrics.PeerMetrics, or None when off (a NoopMetrics is falsy): then
         # nothing wraps the per-step check, and the other hooks go to a NoObserver.
         self.metrics = metrics if metrics else None
         self._observer: StepObserver = self.metrics or NoObserver()
         self._observer.bind(self)
-        # Durable snapshots (peer_elastic.durable), when the job has a snapshot_dir: rank 0
-        # writes one in the background at a due commit; a group in which nobody holds
-        # committed state resumes from the newest.
-        self.snapshots = DurableSnapshots.for_job(getattr(coordinator, "config", None),
-                                                  coordinator.job, self.stats,
-                                                  getattr(coordinator, "client", None),
-                                                  hang_exempt=self._liveness.exempt)
-        # A ShardedState's snapshots: every rank writes its rows (made at its first group).
-        self._sharded_snapshots: ShardedSnapshots | None = None
+        # The state's versions, its agreement when a group forms, commits, restores and
+        # durable snapshots (peer_elastic.state_keeping).
+        self._keeping = StateKeeping(coordinator, self.stats, self._progress, self._liveness,
+                                     self._observer)
         # This peer's pace between checks, exchanged about once a second; a straggler says
         # so and, under straggler_policy=evict, leaves (peer_elastic.straggler).
         self.straggler = StragglerWatch(coordinator)
@@ -188,35 +191,29 @@ class Peer:
         """
         self._check(self._state, committing=False)
 
-    def _check(self, state: Any, committing: bool) -> None:
+    def _check(self, state: ElasticState | None, committing: bool) -> None:
         """The per-step protocol behind ``state.commit()`` and ``state.check_host_updates()``.
 
-        No etcd I/O: the newest generation comes from the watched view in memory.
+        No etcd I/O: the newest generation comes from the watched view in memory. The
+        check's collectives (:class:`~peer_elastic.torch.check.generation_check.GenerationCheck`)
+        make every rank decide the same at the same call, mostly without waiting on anyone:
+        a plain check completes the exchange the previous one issued, or takes the vote an
+        optimizer step's gradient all-reduce carried.
 
-        A plain check completes the generation exchange the previous check issued
-        (:mod:`peer_elastic.torch.pending_check`) and issues the next one, so it waits on
-        nobody unless a rank is behind: every rank completes the same op at the same call
-        and so decides the same there, one check after a rank first saw the change. When
-        checks come faster than an exchange is worth, only every P-th plain check exchanges
-        (P agreed by the exchange, the same on every rank; at most 20 ms of checks,
-        :mod:`peer_elastic.torch.check_cadence`); the others return at once. When a
-        ``DistributedOptimizer`` step (or a DDP backward pass with ``pe.allreduce_hook``) ran
-        since the last check, its gradient all-reduce already carried the same bit
-        (:mod:`peer_elastic.torch.reset_vote`): the check takes that and issues nothing, so
-        it runs no collective at all (but for the exchange of paces, about once a second, at
-        the top: :mod:`peer_elastic.straggler`).
+        A commit, and a check that finds a reset due, first learn in one blocking exchange
+        whether some rank holds unmerged progress. Then, in this order: merge the progress
+        some rank recorded only locally (only when some rank has such progress), save the
+        commit, raise if a new generation is pending. A rank whose collective fails never
+        gets to save or keep the step: it restores its last commit, whose progress was
+        merged (see ``peer_elastic.state.agreement``).
 
-        A commit, and a plain check whose completed exchange says a reset is due, need to
-        know whether some rank holds unmerged progress *now*: they run one blocking
-        all-reduce (MAX) of [the newest generation I know of, do I hold unmerged progress].
-        Then, in this order: merge the progress some rank recorded only locally (only when
-        some rank has such progress), save the commit, raise if a new generation is pending.
-        A rank whose collective fails never gets to save or keep the step: it restores its
-        last commit, whose progress was merged (see ``peer_elastic.agreement``).
+        At the top, about once a second at the same checks on every rank, the straggler
+        watch completes and issues its exchange of paces (:mod:`peer_elastic.straggler`):
+        the one collective a check after an optimizer step otherwise never runs.
         """
         group = self._group
         if group is None:
-            if committing:
+            if committing and state is not None:
                 state.record_commit()
             return
         self._liveness.stepped()
@@ -227,95 +224,22 @@ class Peer:
             self.groups.keep_connections_from_exec()
         if self._pending_timing is not None:
             self._publish_timing()
-        current = group.assignment.generation
-        self._live = self._live.stepped(current)
-        # The vote of the optimizer steps since the last check, the same on every rank.
-        voted = self._vote.take(group)
-        if voted is False and not committing and not self._pending.pending:
-            return  # the step's gradient all-reduce said: nobody wants a reset
-        if voted is None and not committing and self._pending.pending \
-                and not self._cadence.due():
-            self.stats.count("checks_spaced")
-            return  # between two exchanges: the same calls on every rank (check_cadence)
-        exchange_t0 = time.perf_counter()
-        snap = self.coordinator.snapshot()
-        want = self._wanted(group, snap)[0]
-        # Complete the op of the previous check first (also before a commit), so every rank
-        # runs the same collectives in the same order.
-        with self._liveness.collective():  # waiting here is waiting on the others
-            previous = self._pending.complete(group)
-        reset_due = previous is not None and previous.newest_generation > current
-        reset_due = reset_due or bool(voted)
-        if not committing and not reset_due:
-            if voted is None:  # no step carried the bit: exchange it ourselves
-                self.stats.count("check_exchanges")
-                self._pending.issue(group, want, self.device, self._cadence.proposal())
-                self._cadence.exchanged(time.perf_counter() - exchange_t0,
-                                        previous.period if previous is not None else 1)
-            return
-        local = state is not None and state.has_local_progress()
-        exchange = self._check_exchange
-        if exchange is None or exchange.device != self.device:
-            exchange = self._check_exchange = MaxExchange(2, self.device)
-        with self._liveness.collective():
-            newest_wanted, someone_local = exchange.run((want, int(local)))
-        reset, merge = newest_wanted > current, bool(someone_local)
-        reset = reset or reset_due
-        if merge and state is not None:
+        self._keeping.stepped(group.assignment.generation)
+        verdict = self._checks.run(
+            group, committing, lambda: state is not None and state.has_local_progress())
+        if verdict is None:
+            return  # a plain check, no reset due
+        if verdict.merge and state is not None:
             with self._liveness.collective():
                 state.merge_progress()
-        if committing:
-            if isinstance(state, ShardedState):
-                state.expect_save(self._live.committed())  # its shards carry their version
-            state.record_commit()
-            self._live = self._committed = self._live.committed()
-            if group.assignment.rank == 0:
-                self._marker.committed(self._committed.commits, group.generation)
-                if self.snapshots is not None and not isinstance(state, ShardedState):
-                    self.snapshots.after_commit(state, self._snapshot_info(self._committed))
-            if isinstance(state, ShardedState) and self._sharded_snapshots is not None:
-                # every rank writes its rows: all decide together, right after the commit
-                with self._liveness.collective():
-                    self._sharded_snapshots.after_commit(
-                        state, self._snapshot_info(self._committed), self.device)
-        if reset:
-            newest = snap.generation
+        if committing and state is not None:
+            self._keeping.commit(state, group, self.device)
+        if verdict.reset:
+            newest = verdict.snapshot.generation
             removals_only = newest is not None and not newest.joined
             raise HostsUpdatedInterrupt(skip_sync=removals_only)
 
-    def _want(self, group: FormedGroup, snap: Any) -> int:
-        """The generation this rank asks the group to move to (the current one: none)."""
-        current = group.assignment.generation
-        newest = snap.generation
-        want = newest.number if newest is not None else current
-        if stop_reason(self.coordinator, group, snap, causes=RESET_NOW) is not None:
-            # Lease lost (we must not go on in this group), a fatal error, or the job ended
-            # (e.g. reset limit): everyone stops at the next check and the reset path reports it.
-            want = max(want, current + 1)
-        return want
-
-    def _wanted(self, group: FormedGroup, snap: Any) -> tuple[int, Ballot]:
-        """``_want(group, snap)``, and the reset vote it makes.
-
-        Asked at every check and every optimizer step. It depends only on the group, the
-        watched view's snapshot, the coordinator's fatal error and its registration (what
-        ``_want`` reads), so while those are the same objects the last answer stands
-        (:mod:`peer_elastic.memo`): deciding it anew walked the stop causes every step.
-        """
-        coord = self.coordinator
-        facts = (group, snap, coord.error, coord.incarnation)
-        wanted = self._wants.get(facts)
-        if wanted is None:
-            want = self._want(group, snap)
-            wanted = self._wants.put(facts, (want, Ballot(group, want > group.generation)))
-        return wanted
-
-    def _ballot(self) -> Ballot | None:
-        """This rank's reset vote for an optimizer step's gradient all-reduce."""
-        group = self._group
-        return None if group is None else self._wanted(group, self.coordinator.snapshot())[1]
-
-    def run(self, func: Callable[..., R], state: Any, *args: Any, **kwargs: Any) -> R:
+    def run(self, func: Callable[..., R], state: ElasticState, *args: Any, **kwargs: Any) -> R:
         """Run ``func(state, *args, **kwargs)`` elastically until it returns.
 
         Returns its result on every peer. A peer that was asked to leave (SIGTERM, drain)
@@ -336,15 +260,15 @@ class Peer:
                 try:
                     self._reset(state, after)
                     # only time in training() can be a hang; voting(): optimizer steps carry
-                    # the reset vote (peer_elastic.torch.reset_vote)
-                    with self._liveness.training(), voting(self._vote):
+                    # the reset vote (peer_elastic.torch.check.reset_vote)
+                    with self._liveness.training(), voting(self._checks.vote):
                         result = func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt as exc:
                     log.info("hosts updated%s: resetting", " (removals only)" if exc.skip_sync else "")
                     after = self.generation
                     if isinstance(state, ShardedState):
                         try:
-                            self._hand_off(state)
+                            self._keeping.hand_off(state, self.generation)
                         except Exception as failure:
                             if not is_collective_failure(failure):
                                 raise
@@ -364,7 +288,7 @@ class Peer:
                 self._finish()
                 return result
         except LeaveRequested as exc:
-            self._final_snapshot(state)
+            self._keeping.final_snapshot(state, self._group)
             self._leave(str(exc))
             code = self.straggler.exit_code
             if code:
@@ -375,18 +299,6 @@ class Peer:
         finally:
             state.attach(None)
             self._state = None
-
-    def _hand_off(self, state: ShardedState) -> None:
-        """The group is about to be replaced and still works: save the live sharded state
-        with every leaving rank's shard copied to ranks that stay (a leaver's shard must
-        outlive it; a joiner gets its rows from the holders when the next group forms)."""
-        snap = self.coordinator.snapshot()
-        newest = snap.generation
-        leaving = newest is not None and newest.number > self.generation \
-            and self.coordinator.member_id not in snap.roster_ids()
-        with self._liveness.collective():
-            state.hand_off(self._live, leaving)
-        self._committed = self._live
 
     def _fail_job(self, exc: ShardedStateLost) -> None:
         """Sharded state lost beyond what memory and disk hold: say so (the ``state_lost``
@@ -401,20 +313,20 @@ class Peer:
         except PeerElasticError as e:
             log.warning("could not record the failed end of the run: %s", e)
 
-    def _on_collective_failure(self, state: Any, exc: Exception) -> None:
+    def _on_collective_failure(self, state: ElasticState, exc: Exception) -> None:
         """A peer died mid-collective: roll back to the last commit and tell the leader."""
         log.warning("collective failed in generation %d: %s; restoring the last commit",
                     self.generation, exc)
-        self._pending.drop()  # its group is broken: never wait on its op
-        self._restore(state)
+        self._checks.drop()  # its group is broken: never wait on its op
+        self._keeping.restore(state)
         self.coordinator.mark_broken(self.generation, str(exc)[:300])  # best effort, logged
 
-    def _reset(self, state: Any, after: int) -> None:
+    def _reset(self, state: ElasticState, after: int) -> None:
         t0 = time.monotonic()
         first = self._group is None and after == 0
-        restored, incarnation = self._restored, self._incarnation  # how we got here, for metrics
-        self._pending.drop()  # the old group's op dies with it, never waited on in the next
-        self._vote.clear()
+        # how we got here, for metrics
+        restored, incarnation = self._keeping.restored, self._incarnation
+        self._checks.new_group()
         while True:
             try:
                 self._group = self.groups.form(after)
@@ -429,7 +341,7 @@ class Peer:
                 # model with the holder's newer progress (a seeded soak lost 288 samples).
                 # Waits on the others (marked: a peer cut off meanwhile is probed for).
                 with self._liveness.collective():
-                    self._agree_and_sync(state)
+                    self._keeping.settle(state, self._group, self.device)
                     state.on_reset()
                 # Once the callbacks made their subgroups (the group's own connections were
                 # marked when it formed): no program the training function runs (os.system)
@@ -448,7 +360,7 @@ class Peer:
                 # A sync cut short may have overwritten part of the live state: go back to
                 # the last commit (intact: a sync only writes it after completing), so this
                 # rank never serves a torn state as the next sync source.
-                self._restore(state)
+                self._keeping.restore(state)
                 if self._group is not None:
                     self.coordinator.mark_broken(self.generation, str(exc)[:300])
                     after = self.generation
@@ -465,108 +377,6 @@ class Peer:
             self._observer.on_reset(a.causes, took, crashed=restored,
                                     lease_lost=self._incarnation != incarnation)
         log.info("generation %d ready: rank %d of %d in %.3f s", a.generation, a.rank, a.size, took)
-
-    def _restore(self, state: Any) -> None:
-        """Back to the last commit, and to its version."""
-        state.restore()
-        self._live = self._committed
-        self._restored = True
-
-    def _agree_and_sync(self, state: Any) -> None:
-        assert self._group is not None
-        # Joiners and returning members (the generation's `joined`) always take state, even
-        # when their version matches: it costs one sync and relies on nothing they kept.
-        need = not self._synced_once or self._group.assignment.joined
-        t0 = time.perf_counter()
-        if isinstance(state, ShardedState):
-            agreement, looked = self._regroup(state, need)
-            self._agreed(agreement, t0, looked)
-            return
-        resume_from_snapshot = None
-        newest_snapshot = None
-        if self.snapshots is not None:
-            resume_from_snapshot = self.snapshots.resumer(state, self.generation, self.device)
-            newest_snapshot = self.snapshots.newest_version()
-        resumed = False
-
-        def resume(claims: Sequence[Claim]) -> Agreement | None:
-            # agree_and_sync calls this on every rank exactly when no rank holds trained
-            # state (the first group of a run, or every holder lost), or when a snapshot is
-            # newer than every version held (peer_elastic.lost_state says what was lost).
-            nonlocal resumed
-            resumed = True
-            return resume_from_snapshot(claims) if resume_from_snapshot is not None else None
-
-        claim = Claim(self._live, need, newest_snapshot, time.time_ns())
-        agreement = agree_and_sync(state, claim, self.device, resume, committed=self._committed)
-        self._agreed(agreement, t0, resumed)
-
-    def _agreed(self, agreement: Agreement, t0: float, resumed: bool) -> None:
-        """What every new group does once its state is agreed (``resumed``: it looked for a
-        durable snapshot)."""
-        if agreement.source is not None:
-            self._observer.on_sync(time.perf_counter() - t0)
-        self._report_lost_state(agreement.version, held=not resumed)
-        self._live = agreement.version
-        if agreement.source is not None:
-            # The sync saved what every rank now holds as the restore point. A skipped sync
-            # saved nothing: the restore point is still the last commit, and its version must
-            # stay that commit's, or a restore would name the live state it no longer holds.
-            self._committed = agreement.version
-        self._synced_once = True
-        self._restored = False
-
-    def _regroup(self, state: ShardedState, need: bool) -> tuple[Agreement, bool]:
-        """The sharded state's agreement: reshard in memory, load a snapshot, or start."""
-        durable = self._sharded_snapshots
-        if durable is None and self.snapshots is not None:
-            durable = self._sharded_snapshots = ShardedSnapshots(self.snapshots)
-        newest = durable.newest_version() if durable is not None else None
-        claim = Claim(self._live, need, newest, time.time_ns())
-        generation, device = self.generation, self.device
-
-        def resume(claims: Sequence[Claim]) -> Agreement | None:
-            assert durable is not None
-            return durable.resume(state, claims, generation, device)
-
-        result = regroup(state, claim, device, generation,
-                         resume if durable is not None else None)
-        if durable is not None:
-            durable.regrouped()  # a writer on a gloo group of this generation's own
-        return result
-
-    def _report_lost_state(self, agreed: StateVersion, held: bool) -> None:
-        """A group formed that goes on from a resumed snapshot, from the initial state, or
-        (``held``) from an in-memory version older than the run's state had: if the run's
-        state had more commits, say loudly that they were lost and where training goes on
-        from. Never a silent rollback."""
-        lost = lost_state(self.coordinator.snapshot().state, agreed, held=held)
-        if lost is None:
-            return  # the first group of a run, or nothing lost
-        what = lost.describe()
-        log.error("%s", what)
-        self.stats.count("states_lost")
-        if self.rank == 0:
-            self._progress.offer_event("state_lost", what, self.generation, {})
-
-    def _final_snapshot(self, state: Any) -> None:
-        """Leaving on purpose (SIGTERM, drain) as rank 0 of the last group: write a durable
-        snapshot of the live state (a consistent version: the interrupt merged progress
-        first), so stopping the whole job gracefully loses nothing. Rank 0 alone leaving
-        writes one too: it cannot know whether anyone goes on, and it costs one write."""
-        if self.snapshots is None or self._group is None or self._group.assignment.rank != 0:
-            return
-        if isinstance(state, ShardedState):
-            return  # every rank writes its shard; a leaver's shard went to the ranks that stay
-        if self.snapshots.final(state, self._snapshot_info(self._live)):
-            log.warning("final snapshot written before leaving")
-        else:
-            log.warning("final snapshot not written (see above)")
-
-    def _snapshot_info(self, version: StateVersion) -> SnapshotInfo:
-        run = getattr(self.coordinator, "run", None)
-        return SnapshotInfo(run.run_id if run is not None else "", self.generation, self.size,
-                            version)
 
     def _publish_timing(self) -> None:
         """At the first step after a reset: rank 0 logs where the recovery time went."""
@@ -599,12 +409,8 @@ class Peer:
         rank issued it), so the group is never torn down under it. Its answer no longer
         matters, and neither does its failure (a peer that died since): the run is done."""
         self.straggler.settle()  # the exchange of paces in flight, likewise
-        if self._group is None or not self._pending.pending:
-            self._pending.drop()
-            return
         try:
-            with self._liveness.collective():
-                self._pending.complete(self._group)
+            self._checks.complete_quietly(self._group)
         except Exception as exc:
             if not is_collective_failure(exc):
                 raise
@@ -613,7 +419,7 @@ class Peer:
     def _leave(self, why: str, wait_s: float = 10.0) -> None:
         """We are out of the roster: wait (bounded) until the others formed, then go."""
         log.info("%s", why)
-        self._pending.drop()
+        self._checks.drop()
         self.straggler.drop()
         coord = self.coordinator
         snap = coord.snapshot()
@@ -650,77 +456,10 @@ class Peer:
 
     def close(self) -> None:
         self.straggler.close()
-        if self._sharded_snapshots is not None:
-            self._sharded_snapshots.close(timeout=60.0)
-        if self.snapshots is not None:
-            # A write in flight finishes (bounded): the process may exit right after.
-            self.snapshots.close(timeout=60.0)
+        self._keeping.close()  # a snapshot write in flight finishes (bounded)
         self._liveness.stop()
         self._progress.stop()
         if self._watchdog is not None:
             self._watchdog.stop()
-        self._pending.drop()
+        self._checks.drop()
         self.groups.close()
-
-
-class _Publisher:
-    """Writes progress (the newest, at most once a second), the state's commit count
-    (peer_elastic.lost_state) and events from a thread, so the training thread never waits
-    on etcd."""
-
-    def __init__(self, coordinator: Coordinator, period_s: float = 1.0) -> None:
-        self._coord = coordinator
-        self._period = period_s
-        self._latest: dict[str, int] | None = None
-        self._state: tuple[int, int] | None = None  # (commits, generation) to say
-        self._events: list[tuple[str, str, int, dict[str, float]]] = []
-        self._cv = threading.Condition()
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def offer(self, **fields: int) -> None:
-        with self._cv:
-            self._latest = fields
-            self._start()
-
-    def offer_state(self, commits: int, generation: int) -> None:
-        with self._cv:
-            self._state = (commits, generation)
-            self._start()
-
-    def offer_event(self, kind: str, detail: str, generation: int,
-                    timings: dict[str, float]) -> None:
-        with self._cv:
-            self._events.append((kind, detail, generation, timings))
-            self._start()
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threads.start(self._publish_loop, "publisher")
-        self._cv.notify()
-
-    def _publish_loop(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._latest is not None or self._events
-                                  or self._state is not None or self._stopped)
-                if self._stopped:
-                    return
-                fields, self._latest = self._latest, None
-                events, self._events = self._events, []
-                committed, self._state = self._state, None
-            for kind, detail, generation, timings in events:
-                self._coord.record_event(kind, detail, generation=generation, timings=timings)
-            if committed is not None:
-                self._coord.record_state(*committed)
-            if fields is not None:
-                try:
-                    self._coord.record_progress(**fields)
-                except PeerElasticError as exc:
-                    log.debug("progress not recorded: %s", exc)
-                time.sleep(self._period)
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()

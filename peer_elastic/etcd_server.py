@@ -42,10 +42,10 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO
 
-from peer_elastic.owned_dirs import add_owner, make_owned_dir
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.owned_dirs import add_owner, make_owned_dir
+from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD_BINARY
 
 __all__ = [
@@ -269,6 +269,50 @@ os.register_at_fork(after_in_child=_forget_the_parents_servers)
 # --- one member ----------------------------------------------------------------------------
 
 
+class EtcdLog:
+    """The file that receives one etcd's stdout and stderr, appended across its restarts.
+
+    Each start first writes a marker line with its command, so the lines of the latest run
+    can be told apart (:meth:`latest_run`): what a start error quotes and reads.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle: IO[bytes] | None = None
+
+    def open_for_run(self, cmd: Sequence[str]) -> IO[bytes]:
+        """The handle a new run of ``cmd`` writes into (the last run's is closed), after
+        the marker line of this start."""
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "ab")  # closed by close()
+        self._handle.write(f"{_START_MARKER}{' '.join(cmd)}\n".encode())
+        self._handle.flush()
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                self._handle.close()
+            self._handle = None
+
+    def tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """Last ``lines`` lines (empty string if there is no log yet)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - 64 * 1024))
+                text = fh.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def latest_run(self) -> str:
+        """The log since the latest start, from its marker line's command on."""
+        return self.tail(200).rpartition(_START_MARKER)[2]
+
+
 class EtcdServer:
     """One etcd member on 127.0.0.1, run as a child process.
 
@@ -305,7 +349,7 @@ class EtcdServer:
         self.name = name
         # Linux: etcd gets SIGTERM when this process ends, even by SIGKILL (nothing here runs
         # then). Only for a server started and restarted from the main thread: the kernel
-        # signals the child when the *thread* that started it ends (peer_elastic.parent_death).
+        # signals the child when the *thread* that started it ends (peer_elastic.process.parent_death).
         self.die_with_parent = die_with_parent
         self.binary = binary or find_etcd_binary()
         self.extra_args: list[str] = list(extra_args)
@@ -333,12 +377,11 @@ class EtcdServer:
         self._owns_log = log_file is None
         self._work_dir: Path | None = None
         self._data_dir = Path(data_dir) if data_dir is not None else Path()
-        self._log_path = Path(log_file) if log_file is not None else Path()
+        self._log = EtcdLog(Path(log_file) if log_file is not None else Path())
         self._make_work_dir()
 
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_handle: Any = None
         self._ever_healthy = False
         _register(self)  # so atexit also removes the temp dir of a never-stopped server
 
@@ -392,7 +435,7 @@ class EtcdServer:
     @property
     def log_path(self) -> Path:
         """File that receives etcd's stdout and stderr (appended across restarts)."""
-        return self._log_path
+        return self._log.path
 
     @property
     def pid(self) -> int | None:
@@ -434,15 +477,7 @@ class EtcdServer:
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """Last ``lines`` lines of etcd's log (empty string if there is none yet)."""
-        try:
-            with open(self._log_path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                size = fh.tell()
-                fh.seek(max(0, size - 64 * 1024))
-                text = fh.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return self._log.tail(lines)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """Client-side SSL context for HTTP requests to this member (None: plain http)."""
@@ -563,23 +598,19 @@ class EtcdServer:
             if self._owns_data:
                 self._data_dir = self._work_dir / "data"  # etcd creates it, mode 0700
             if self._owns_log:
-                self._log_path = self._work_dir / "etcd.log"
+                self._log.path = self._work_dir / "etcd.log"
 
     def _spawn(self) -> None:
         """Start the process (caller holds the lock and has checked it is not running)."""
         self._make_work_dir()  # a start() after stop() begins on a fresh temp dir
         _register(self)
-        self._close_log()
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_handle = open(self._log_path, "ab")  # closed in _terminate()
         cmd = self.command()
-        self._log_handle.write(f"{_START_MARKER}{' '.join(cmd)}\n".encode())
-        self._log_handle.flush()
+        log = self._log.open_for_run(cmd)  # closed in _terminate()
         try:
             self._proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=self._log_handle,
+                stdout=log,
                 stderr=subprocess.STDOUT,
                 env=_etcd_env(),
                 start_new_session=True,
@@ -587,7 +618,7 @@ class EtcdServer:
                 preexec_fn=die_with_parent(signal.SIGTERM) if self.die_with_parent else None,
             )
         except BaseException:
-            self._close_log()
+            self._log.close()
             raise
         if self._work_dir is not None and not self.keep_data:
             add_owner(self._work_dir, self._proc.pid)
@@ -619,30 +650,23 @@ class EtcdServer:
                         raise RuntimeError(
                             f"etcd pid {proc.pid} survived SIGKILL for 10s (stuck in the kernel?)"
                         ) from exc
-            self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log_handle is not None:
-            with contextlib.suppress(OSError):
-                self._log_handle.close()
-            self._log_handle = None
+            self._log.close()
 
     def _failure_message(self, what: str) -> str:
         return (
             f"{what} ({self!r}); command: {' '.join(self.command())}\n"
-            f"last {_LOG_TAIL_LINES} lines of {self._log_path}:\n{self.log_tail()}"
+            f"last {_LOG_TAIL_LINES} lines of {self._log.path}:\n{self.log_tail()}"
         )
 
     def _start_error(self, what: str) -> EtcdStartError:
         # The log since the latest start: after its marker line (which holds the command).
-        latest_run = self.log_tail(200).rpartition(_START_MARKER)[2].partition("\n")[2]
+        latest_run = self._log.latest_run().partition("\n")[2]
         return EtcdStartError(self._failure_message(what), summary=what,
                               cause=logged_error(latest_run), port_taken=self.port_conflict())
 
     def port_conflict(self) -> bool:
         """Did the latest run (the log after the last start marker) fail to bind a port?"""
-        latest_run = self.log_tail(200).rpartition(_START_MARKER)[2]
-        return _ADDRESS_IN_USE in latest_run
+        return _ADDRESS_IN_USE in self._log.latest_run()
 
     def _may_retry_on_new_ports(self) -> bool:
         return (
@@ -677,7 +701,7 @@ class EtcdServer:
                 proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
-        self._close_log()
+        self._log.close()
         if not self.keep_data and self._work_dir is not None:
             shutil.rmtree(self._work_dir, ignore_errors=True)
 

@@ -36,9 +36,9 @@ So the training thread is watched too:
 The detector also knows how long the thread has waited on its peers without a break
 (:meth:`HangDetector.waiting_on_peers_s`; with hang detection off, only in peer-elastic's
 own collectives, since the stack is then never sampled); the monitor tells
-the peer's group manager, which probes the group's members when a wait grows long (a peer
-cut off from the others but not from etcd keeps its lease: see
-``GroupManager.waited_on_peers``).
+the peer's probes of its group, which probe the group's members when a wait grows long (a
+peer cut off from the others but not from etcd keeps its lease: see
+``peer_elastic.torch.reachability.Reachability.waited_on_peers``).
 
 Why a peer waiting on the hung one is not declared hung itself: it is in a collective (the
 hung peer is the one in its own code), and a collective restarts its clock. Why a slow
@@ -66,7 +66,7 @@ from enum import Enum
 from types import FrameType
 from typing import IO, Any
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 from peer_elastic.straggler import waits
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,15 @@ RESPONSE_BUDGET_S = 60.0
 # Frames that mean "waiting on other peers". DDP's forward broadcasts buffers, and its
 # all-reduces run inside backward, called from the autograd engine. DistributedOptimizer's
 # all-reduce and the commit's exchange skip torch's Python wrapper
-# (peer_elastic/torch/direct_all_reduce.py), so no frame of theirs lies under
+# (peer_elastic/torch/transport/direct_all_reduce.py), so no frame of theirs lies under
 # torch/distributed/: that module only issues and waits on collectives, and its frames count
-# as such. So do the state sync's (peer_elastic/torch/collectives.py: it waits on its
-# buckets' and layout check's works itself, with no torch frame under it).
+# as such. So do the state sync's (peer_elastic/torch/transport/collectives.py and
+# layout_check.py: they wait on their buckets' and layout check's works themselves, with no
+# torch frame under them).
 _PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py",
-                    "/peer_elastic/torch/direct_all_reduce.py",
-                    "/peer_elastic/torch/collectives.py")
+                    "/peer_elastic/torch/transport/direct_all_reduce.py",
+                    "/peer_elastic/torch/transport/collectives.py",
+                    "/peer_elastic/torch/transport/layout_check.py")
 _AUTOGRAD_PATH = "/torch/autograd/"
 _BACKWARD_NAMES = frozenset({"backward", "grad", "_engine_run_backward", "run_backward"})
 

@@ -23,7 +23,7 @@ What is measured (see ``docs/metrics.md``):
   ``peer_elastic_world_size``, ``peer_elastic_rank`` (the group it last formed; -1 / 0 while
   a standby), ``peer_elastic_is_leader``, and from its watched view of etcd (no I/O)
   ``peer_elastic_latest_generation``, ``peer_elastic_members``, ``peer_elastic_min_np``,
-  ``peer_elastic_max_np``; ``Coordinator.stats`` and ``Peer.stats`` as
+  ``peer_elastic_max_np``; ``Coordinator.counters`` and ``Peer.stats`` as
   ``peer_elastic_coordinator_*_total``;
 * ``peer_elastic_resets_total{reason}``: resets this peer went through (the first group it
   joins is not a reset, as for ``Peer.resets``), by a bounded set of reasons
@@ -182,7 +182,7 @@ def _number(gen: Any) -> float:
 
 
 class _CoordinatorStats:
-    """``Coordinator.stats`` and the peer's :class:`~peer_elastic.observer.PeerStats` as
+    """``Coordinator.counters`` and the peer's :class:`~peer_elastic.observer.PeerStats` as
     counters, read at scrape time: ``peer_elastic_coordinator_<name>_total``
     (generations_written, cas_lost, rejoins, dropped: what this peer's coordination thread
     did; collectives_abandoned: what its hang watchdog did; snapshots_*: its durable
@@ -215,7 +215,7 @@ class _CoordinatorStats:
 
     def collect(self) -> list[Any]:
         try:
-            stats = dict(self._peer.coordinator.stats) | self._peer.stats.as_dict()
+            stats = self._peer.coordinator.counters.as_dict() | self._peer.stats.as_dict()
         except Exception:
             stats = {}
         return list(self._families(stats))

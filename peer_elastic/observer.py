@@ -17,14 +17,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from peer_elastic.errors import HostsUpdatedInterrupt
+from peer_elastic.etcd.counters import CoordinatorCounters
+from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.records import GenerationRecord, JobConfig
 
-if TYPE_CHECKING:
-    from peer_elastic.elastic import Peer
-
-__all__ = ["NoObserver", "PeerStats", "StepObserver", "observed"]
+__all__ = ["NoObserver", "ObservedCoordinator", "ObservedPeer", "PeerStats", "StepObserver", "observed"]
 
 S = TypeVar("S")
 
@@ -42,11 +42,11 @@ class PeerStats:
     snapshots_failed: int = 0
     snapshots_skipped: int = 0
     #: Plain checks that ran the generation exchange themselves, and those that returned
-    #: without one, between two (checks coming fast: peer_elastic.torch.check_cadence).
+    #: without one, between two (checks coming fast: peer_elastic.torch.check.check_cadence).
     check_exchanges: int = 0
     checks_spaced: int = 0
     #: Groups this peer formed with no holder of a state that had commits: every peer that
-    #: held it was lost at once (peer_elastic.lost_state).
+    #: held it was lost at once (peer_elastic.state.lost_state).
     states_lost: int = 0
 
     def __post_init__(self) -> None:
@@ -67,10 +67,46 @@ class PeerStats:
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+class ObservedCoordinator(Protocol):
+    """What an observer may read from the bound peer's coordinator."""
+
+    job: str
+    host: str
+    config: JobConfig
+    #: What the coordination thread did (generations written, CAS lost, rejoins, ...).
+    counters: CoordinatorCounters
+
+    @property
+    def latest_generation(self) -> GenerationRecord | None: ...
+
+    def snapshot(self) -> ViewSnapshot: ...
+
+
+class ObservedPeer(Protocol):
+    """What an observer may read from the peer it is bound to, at any time (metrics read
+    their gauges here at every scrape): :class:`~peer_elastic.elastic.Peer` is one."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    #: The peer's training-side counters.
+    stats: PeerStats
+    coordinator: ObservedCoordinator
+
+
 class StepObserver(Protocol):
     """What :class:`~peer_elastic.elastic.Peer` tells an observer (metrics) about its steps."""
 
-    def bind(self, peer: Peer) -> None:
+    def bind(self, peer: ObservedPeer) -> None:
         """The peer that will report (read its live values from here, if you like)."""
 
     def on_check(self, seconds: float, *, committing: bool) -> None:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from peer_elastic.straggler import waits
-from peer_elastic.torch.collectives import plan_buckets
-from peer_elastic.torch.direct_all_reduce import all_reduce_now
-from peer_elastic.torch.reset_vote import current_vote
+from peer_elastic.torch.check.reset_vote import current_vote
+from peer_elastic.torch.transport.buckets import plan_buckets
+from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -83,7 +83,7 @@ class _Averaging:
         buckets = plan_buckets(params, self._pe_bucket_bytes, self._pe_bucket_bytes)
         # The run loop's reset vote rides on the last bucket of several gradients (always
         # flattened, on every rank alike), so a check after this step needs no collective
-        # of its own (peer_elastic.torch.reset_vote).
+        # of its own (peer_elastic.torch.check.reset_vote).
         vote = current_vote()
         ballot = vote.cast() if vote is not None else None
         rider = len(buckets) - 1  # the last bucket of several gradients, if any

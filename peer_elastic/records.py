@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -111,86 +112,129 @@ def _fill_settings_added_later(cfg: JobConfig) -> None:
 
 
 def _validate(record: Message, key: str) -> None:
-    def bad(why: str) -> RecordError:
-        return RecordError(f"{key}: invalid {type(record).__name__}: {why}")
+    rule = _RULES.get(type(record))
+    problem = rule(record) if rule is not None else None
+    if problem is not None:
+        raise RecordError(f"{key}: invalid {type(record).__name__}: {problem}")
 
-    if isinstance(record, MemberRecord):
-        if not valid_name(record.member_id):
-            raise bad(f"member id {record.member_id!r}")
-        if record.lease_id == 0:
-            raise bad("no lease id")
-        # The host names keys (failures/<host>, blacklist/<host>): a "/" would escape them.
-        if not valid_name(record.host):
-            raise bad(f"host {record.host!r}")
-    elif isinstance(record, GenerationRecord):
-        if record.number == 0:
-            raise bad("generation number 0")
-        if len(set(record.roster)) != len(record.roster):
-            raise bad("duplicate member in roster")
-        if not all(valid_name(m) for m in record.roster):
-            raise bad("malformed member id in roster")
-        # A cause this peer does not know is a newer writer's: kept, and read as "other".
-        if GenerationCause.GENERATION_CAUSE_UNSPECIFIED in record.causes:
-            raise bad("unspecified generation cause")
-        if len(set(record.causes)) != len(record.causes):
-            raise bad("duplicate generation cause")
-    elif isinstance(record, RunRecord):
-        if not valid_name(record.run_id):
-            raise bad(f"run id {record.run_id!r}")
-        if record.lease_id == 0:
-            raise bad("no run lease")
-        _fill_settings_added_later(record.config)
-        # The same rules as the settings a peer is started with: a value no peer could be
-        # started with is no more acceptable written straight into etcd.
-        problem = setting_problem(record.config)
-        if problem is not None:
-            raise bad(str(problem))
-    elif isinstance(record, SnapshotRecord):
-        # The name is a key segment and a directory name: no "/" and no "..".
-        if not valid_name(record.name) or not record.name.startswith("snap-"):
-            raise bad(f"snapshot name {record.name!r}")
-        if not record.path or "\0" in record.path:
-            raise bad("no snapshot path")
-        if not math.isfinite(record.unix):
-            raise bad(f"unix={record.unix}")
-        if len(record.checksum) != 64 or any(c not in "0123456789abcdef" for c in record.checksum):
-            raise bad("checksum is not a sha256 hex digest")
-    elif isinstance(record, StateRecord):
-        if not record.commits:
-            raise bad("no commits (the record is written only after one)")
-        if not math.isfinite(record.unix):
-            raise bad(f"unix={record.unix}")
-        if not valid_name(record.written_by):
-            raise bad(f"writer {record.written_by!r}")
-    elif isinstance(record, (AckRecord, DrainRecord)):
-        if not valid_name(record.member_id):
-            raise bad(f"member id {record.member_id!r}")
-    elif isinstance(record, FenceRecord):
-        if not valid_name(record.member_id):
-            raise bad(f"member id {record.member_id!r}")
-        # proto3 enums are open: a number this peer does not know parses without error.
-        if record.cause == FenceCause.FENCE_CAUSE_UNSPECIFIED or \
-                record.cause not in FenceCause.values():
-            raise bad(f"unknown fence cause {record.cause}")
-    elif isinstance(record, ReachRecord):
-        if not valid_name(record.member_id):
-            raise bad(f"member id {record.member_id!r}")
-        if not record.unreachable:
-            raise bad("no unreachable member (the record is deleted instead)")
-        if not all(valid_name(m) for m in record.unreachable):
-            raise bad("malformed member id among the unreachable")
-        if len(set(record.unreachable)) != len(record.unreachable):
-            raise bad("duplicate unreachable member")
-        if record.member_id in record.unreachable:
-            raise bad("a member reports itself unreachable")
-    elif isinstance(record, PaceRecord):
-        if not math.isfinite(record.unix) or not math.isfinite(record.step_s) \
-                or record.step_s < 0:
-            raise bad(f"unix={record.unix}, step_s={record.step_s}")
-        ids = [p.member_id for p in record.peers]
-        if not all(valid_name(m) for m in ids) or len(set(ids)) != len(ids):
-            raise bad("malformed or duplicate member id")
-        for p in record.peers:
-            if not all(math.isfinite(v) and v >= 0 for v in (p.score, p.own_s, p.waited_s)):
-                raise bad(f"{p.member_id}: score={p.score}, own_s={p.own_s}, "
-                          f"waited_s={p.waited_s}")
+
+def _member_problem(record: MemberRecord) -> str | None:
+    if not valid_name(record.member_id):
+        return f"member id {record.member_id!r}"
+    if record.lease_id == 0:
+        return "no lease id"
+    # The host names keys (failures/<host>, blacklist/<host>): a "/" would escape them.
+    if not valid_name(record.host):
+        return f"host {record.host!r}"
+    return None
+
+
+def _generation_problem(record: GenerationRecord) -> str | None:
+    if record.number == 0:
+        return "generation number 0"
+    if len(set(record.roster)) != len(record.roster):
+        return "duplicate member in roster"
+    if not all(valid_name(m) for m in record.roster):
+        return "malformed member id in roster"
+    # A cause this peer does not know is a newer writer's: kept, and read as "other".
+    if GenerationCause.GENERATION_CAUSE_UNSPECIFIED in record.causes:
+        return "unspecified generation cause"
+    if len(set(record.causes)) != len(record.causes):
+        return "duplicate generation cause"
+    return None
+
+
+def _run_problem(record: RunRecord) -> str | None:
+    if not valid_name(record.run_id):
+        return f"run id {record.run_id!r}"
+    if record.lease_id == 0:
+        return "no run lease"
+    _fill_settings_added_later(record.config)
+    # The same rules as the settings a peer is started with: a value no peer could be
+    # started with is no more acceptable written straight into etcd.
+    problem = setting_problem(record.config)
+    if problem is not None:
+        return str(problem)
+    return None
+
+
+def _snapshot_problem(record: SnapshotRecord) -> str | None:
+    # The name is a key segment and a directory name: no "/" and no "..".
+    if not valid_name(record.name) or not record.name.startswith("snap-"):
+        return f"snapshot name {record.name!r}"
+    if not record.path or "\0" in record.path:
+        return "no snapshot path"
+    if not math.isfinite(record.unix):
+        return f"unix={record.unix}"
+    if len(record.checksum) != 64 or any(c not in "0123456789abcdef" for c in record.checksum):
+        return "checksum is not a sha256 hex digest"
+    return None
+
+
+def _state_problem(record: StateRecord) -> str | None:
+    if not record.commits:
+        return "no commits (the record is written only after one)"
+    if not math.isfinite(record.unix):
+        return f"unix={record.unix}"
+    if not valid_name(record.written_by):
+        return f"writer {record.written_by!r}"
+    return None
+
+
+def _ack_or_drain_problem(record: AckRecord | DrainRecord) -> str | None:
+    if not valid_name(record.member_id):
+        return f"member id {record.member_id!r}"
+    return None
+
+
+def _fence_problem(record: FenceRecord) -> str | None:
+    if not valid_name(record.member_id):
+        return f"member id {record.member_id!r}"
+    # proto3 enums are open: a number this peer does not know parses without error.
+    if record.cause == FenceCause.FENCE_CAUSE_UNSPECIFIED or \
+            record.cause not in FenceCause.values():
+        return f"unknown fence cause {record.cause}"
+    return None
+
+
+def _reach_problem(record: ReachRecord) -> str | None:
+    if not valid_name(record.member_id):
+        return f"member id {record.member_id!r}"
+    if not record.unreachable:
+        return "no unreachable member (the record is deleted instead)"
+    if not all(valid_name(m) for m in record.unreachable):
+        return "malformed member id among the unreachable"
+    if len(set(record.unreachable)) != len(record.unreachable):
+        return "duplicate unreachable member"
+    if record.member_id in record.unreachable:
+        return "a member reports itself unreachable"
+    return None
+
+
+def _pace_problem(record: PaceRecord) -> str | None:
+    if not math.isfinite(record.unix) or not math.isfinite(record.step_s) \
+            or record.step_s < 0:
+        return f"unix={record.unix}, step_s={record.step_s}"
+    ids = [p.member_id for p in record.peers]
+    if not all(valid_name(m) for m in ids) or len(set(ids)) != len(ids):
+        return "malformed or duplicate member id"
+    for p in record.peers:
+        if not all(math.isfinite(v) and v >= 0 for v in (p.score, p.own_s, p.waited_s)):
+            return (f"{p.member_id}: score={p.score}, own_s={p.own_s}, "
+                    f"waited_s={p.waited_s}")
+    return None
+
+
+#: The rules each kind of record obeys beyond its protobuf schema: a problem, or None.
+_RULES: dict[type[Message], Callable[[Any], str | None]] = {
+    MemberRecord: _member_problem,
+    GenerationRecord: _generation_problem,
+    RunRecord: _run_problem,
+    SnapshotRecord: _snapshot_problem,
+    StateRecord: _state_problem,
+    AckRecord: _ack_or_drain_problem,
+    DrainRecord: _ack_or_drain_problem,
+    FenceRecord: _fence_problem,
+    ReachRecord: _reach_problem,
+    PaceRecord: _pace_problem,
+}

@@ -55,7 +55,7 @@ when a member is lost (oldest first), and exit 0 when the job finishes (the rend
 closed) or fail after ``join_timeout``.
 
 Group rank 0 publishes MASTER_ADDR: torchrun's ``--local-addr`` if given, otherwise the
-address :mod:`peer_elastic.netaddr` chooses, as for a peer (``PEER_ELASTIC_ADDR``,
+address :mod:`peer_elastic.process.netaddr` chooses, as for a peer (``PEER_ELASTIC_ADDR``,
 ``PEER_ELASTIC_IFNAME``, else the interface that routes to the etcd endpoints), whose
 interface each agent also hands to its workers' gloo (``GLOO_SOCKET_IFNAME``).
 
@@ -112,7 +112,7 @@ from peer_elastic.errors import EtcdError, EtcdUnavailable, LeaseNotFound  # noq
 from peer_elastic.etcd.client import EtcdClient, KeyValue, Txn, client_from_env  # noqa: E402
 from peer_elastic.etcd.lease import LeaseKeeper, Session  # noqa: E402
 from peer_elastic.etcd.watch import PrefixWatch  # noqa: E402
-from peer_elastic.netaddr import NetChoice, select_address  # noqa: E402
+from peer_elastic.process.netaddr import NetChoice, select_address  # noqa: E402
 from peer_elastic.torch.store import EtcdStore  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,128 @@ def next_round_number(state: RendezvousState, highest_seen: int) -> int:
     return min(max(state.round.number, highest_seen, *seen, 0), _MAX_ROUND) + 1
 
 
+class RendezvousReader:
+    """Reads the rendezvous' keys (:class:`RendezvousState`, every value validated) and
+    remembers across reads what this agent saw: the highest round number (rounds never go
+    backwards), the newest valid round (for when ``round`` vanishes with an expired job
+    lease), and when each member of it was first seen without its key."""
+
+    def __init__(self, prefix: str, malformed: _MalformedLog) -> None:
+        self._prefix = prefix
+        self._malformed = malformed
+        self.highest_round = 0
+        self.last_round = NO_ROUND
+        self.missing_since: dict[str, float] = {}  # round member -> first seen without key
+
+    def read(self, client: EtcdClient) -> RendezvousState:
+        kvs, _ = client.get_prefix(self._prefix)
+        state = RendezvousState()
+        for kv in kvs:
+            name = kv.key[len(self._prefix):]
+            if name.startswith("agents/"):
+                state.agents[name[len("agents/"):]] = kv
+            elif name.startswith("waiting/"):
+                after = parse_waiting(kv.value)
+                if after is None:
+                    self._malformed.note(kv, "waiting record")
+                    after = 0
+                state.waiting[name[len("waiting/"):]] = after
+            elif name.startswith("left/"):
+                state.left.add(name[len("left/"):])
+            elif name == "round":
+                state.round_kv = kv
+                record = parse_round(kv.value)
+                if record is None:
+                    self._malformed.note(kv, "round record")
+                else:
+                    state.round = record
+            elif name == "closed":
+                state.closed = True
+        if state.round.number > self.highest_round:
+            self.highest_round = state.round.number
+        if state.round.number >= self.last_round.number and state.round is not NO_ROUND:
+            self.last_round = state.round
+        return state
+
+    def latest_round(self, state: RendezvousState) -> RoundRecord:
+        """``state``'s round, or the newest this agent saw when ``round`` is gone."""
+        return state.round if state.round is not NO_ROUND else self.last_round
+
+    def note_missing(self, state: RendezvousState, now: float) -> None:
+        """When this agent first saw each member of the latest round without its key."""
+        members = self.latest_round(state).members
+        for m in members:
+            if m in state.agents:
+                self.missing_since.pop(m, None)
+            else:
+                self.missing_since.setdefault(m, now)
+        for m in [m for m in self.missing_since if m not in members]:
+            del self.missing_since[m]
+
+
+class JobLease:
+    """The job lease (``P lease``): created by the first agent, adopted and kept alive by
+    every agent, so the job's keys outlive its last agent by ``ttl_s``."""
+
+    def __init__(self, client: EtcdClient, prefix: str, ttl_s: float, keeper: LeaseKeeper,
+                 malformed: _MalformedLog) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._key = prefix + "lease"
+        self._ttl_s = ttl_s
+        self._keeper = keeper
+        self._malformed = malformed
+        self._lock = threading.Lock()
+        self._id: int | None = None
+
+    @property
+    def known(self) -> int | None:
+        """The lease id this agent keeps alive now, if any (no etcd request)."""
+        return self._id
+
+    def id(self) -> int:
+        """The job lease's id: adopted from ``P lease``, or a fresh one put there."""
+        with self._lock:
+            if self._id is not None:
+                return self._id
+            for _ in range(10):
+                kv = self._client.get(self._key)
+                lease_id = parse_lease_id(kv.value) if kv is not None else None
+                if kv is not None and lease_id is None:
+                    self._malformed.note(kv, "job lease id")
+                if lease_id is None:  # absent or malformed: put a fresh one in its place
+                    lease_id = self._client.grant(self._ttl_s)
+                    if not self._client.compare_and_put(
+                            self._key, str(lease_id).encode(),
+                            kv.mod_revision if kv is not None else 0, lease=lease_id):
+                        self._client.revoke(lease_id)
+                        continue
+                self._keeper.keep(lease_id, self._ttl_s, self.lost,
+                                  refresh_now=True)  # adopted: it may be near its end
+                self._id = lease_id
+                return lease_id
+            raise EtcdError(f"could not agree on a job lease under {self._prefix}")
+
+    def lost(self, lease_id: int, why: str) -> None:
+        """The keeper's word that ``lease_id`` is gone: the next :meth:`id` finds another."""
+        with self._lock:
+            if self._id == lease_id:
+                self._id = None
+
+    def run(self, fn: Callable[[int], T]) -> T:
+        """``fn(lease id)``; once more with a new job lease when etcd no longer knows it."""
+        try:
+            return fn(self.id())
+        except LeaseNotFound:
+            self.lost(self._id or 0, "lease not found")
+            return fn(self.id())
+
+    def forget(self) -> None:
+        """Stop keeping it alive (this agent leaves)."""
+        if self._id is not None:
+            self._keeper.forget(self._id)
+
+
 class PeerElasticRendezvousHandler(RendezvousHandler):
     """torchrun's ``RendezvousHandler`` on etcd v3; see the module docstring."""
 
@@ -288,16 +410,14 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         host = socket.gethostname().split(".")[0] or "host"
         self.agent_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
         self._keeper = LeaseKeeper(self._client, name="rdzv-lease-keeper")
+        malformed = _MalformedLog()
+        self._job_lease = JobLease(self._client, self._prefix, self._run_ttl, self._keeper,
+                                   malformed)
+        self._reader = RendezvousReader(self._prefix, malformed)
         self._agent: Session | None = None
-        self._job_lease: int | None = None
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._watch: PrefixWatch | None = None
         self._round = 0
-        self._highest_round = 0  # the highest round number this agent saw: never backwards
-        self._last_round = NO_ROUND  # the newest valid round seen (if `round` vanishes)
-        self._missing_since: dict[str, float] = {}  # round member -> first seen without key
-        self._malformed = _MalformedLog()
         self._store: EtcdStore | None = None
         self._net: NetChoice | None = None
         # num_nodes_waiting's memory across an outage.
@@ -346,41 +466,6 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
     def _k(self, name: str) -> str:
         return self._prefix + name
 
-    def _job_lease_id(self) -> int | None:
-        """The job lease, created by the first agent and kept alive by every agent."""
-        with self._lock:
-            if self._job_lease is not None:
-                return self._job_lease
-            for _ in range(10):
-                kv = self._client.get(self._k("lease"))
-                lease_id = parse_lease_id(kv.value) if kv is not None else None
-                if kv is not None and lease_id is None:
-                    self._malformed.note(kv, "job lease id")
-                if lease_id is None:  # absent or malformed: put a fresh one in its place
-                    lease_id = self._client.grant(self._run_ttl)
-                    if not self._client.compare_and_put(
-                            self._k("lease"), str(lease_id).encode(),
-                            kv.mod_revision if kv is not None else 0, lease=lease_id):
-                        self._client.revoke(lease_id)
-                        continue
-                self._keeper.keep(lease_id, self._run_ttl, self._job_lease_lost,
-                                  refresh_now=True)  # adopted: it may be near its end
-                self._job_lease = lease_id
-                return lease_id
-            raise EtcdError(f"could not agree on a job lease under {self._prefix}")
-
-    def _job_lease_lost(self, lease_id: int, why: str) -> None:
-        with self._lock:
-            if self._job_lease == lease_id:
-                self._job_lease = None
-
-    def _with_job_lease(self, fn: Callable[[int | None], T]) -> T:
-        try:
-            return fn(self._job_lease_id())
-        except LeaseNotFound:
-            self._job_lease_lost(self._job_lease or 0, "lease not found")
-            return fn(self._job_lease_id())
-
     def _register(self, renew: bool = False) -> Session:
         """This agent's session and ``agents/`` key; a new one if the lease is lost or
         ``renew`` (etcd refused the lease: it expired before the keeper could tell)."""
@@ -388,7 +473,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             return self._agent
         if self._agent is not None:
             self._agent.close(revoke=False)
-        self._job_lease_id()
+        self._job_lease.id()
         agent = Session(self._client, self._lease_ttl, keeper=self._keeper)
         info = {"host": socket.gethostname(), "pid": os.getpid()}
         self._client.put(self._k(f"agents/{self.agent_id}"), json.dumps(info).encode(),
@@ -438,45 +523,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
     # -- reading the state ------------------------------------------------------------------------
 
     def _state(self, client: EtcdClient | None = None) -> RendezvousState:
-        kvs, _ = (client or self._client).get_prefix(self._prefix)
-        state = RendezvousState()
-        for kv in kvs:
-            name = kv.key[len(self._prefix):]
-            if name.startswith("agents/"):
-                state.agents[name[len("agents/"):]] = kv
-            elif name.startswith("waiting/"):
-                after = parse_waiting(kv.value)
-                if after is None:
-                    self._malformed.note(kv, "waiting record")
-                    after = 0
-                state.waiting[name[len("waiting/"):]] = after
-            elif name.startswith("left/"):
-                state.left.add(name[len("left/"):])
-            elif name == "round":
-                state.round_kv = kv
-                record = parse_round(kv.value)
-                if record is None:
-                    self._malformed.note(kv, "round record")
-                else:
-                    state.round = record
-            elif name == "closed":
-                state.closed = True
-        if state.round.number > self._highest_round:
-            self._highest_round = state.round.number
-        if state.round.number >= self._last_round.number and state.round is not NO_ROUND:
-            self._last_round = state.round
-        return state
-
-    def _note_missing(self, state: RendezvousState, now: float) -> None:
-        """When this agent first saw each member of the latest round without its key."""
-        members = (state.round if state.round is not NO_ROUND else self._last_round).members
-        for m in members:
-            if m in state.agents:
-                self._missing_since.pop(m, None)
-            else:
-                self._missing_since.setdefault(m, now)
-        for m in [m for m in self._missing_since if m not in members]:
-            del self._missing_since[m]
+        return self._reader.read(client or self._client)
 
     # -- RendezvousHandler ----------------------------------------------------------------------
 
@@ -495,7 +542,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                            lambda: self._client.get(self._k("closed")) is not None)
 
     def set_closed(self) -> None:
-        self._retry("close the rendezvous", lambda: self._with_job_lease(
+        self._retry("close the rendezvous", lambda: self._job_lease.run(
             lambda lease: self._client.put(self._k("closed"), b"1", lease=lease)))
 
     def num_nodes_waiting(self) -> int:
@@ -530,7 +577,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                         "from etcd): stopping the workers of round %d to rendezvous again",
                         self.agent_id, self._round)
             return 1
-        members = (state.round if state.round is not NO_ROUND else self._last_round).members
+        members = self._reader.latest_round(state).members
         if len(members) >= self._max:
             answer = 0
         else:
@@ -544,7 +591,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         master_addr = self.master_addr()
         first = self._retry("read the rendezvous", self._state)
-        after = max(first.round.number, self._highest_round)
+        after = max(first.round.number, self._reader.highest_round)
         waiting_key = self._k(f"waiting/{self.agent_id}")
         waiting_value = json.dumps({"after": after}).encode()
         agent = self._retry("wait for a round", self._wait_in, waiting_key, waiting_value)
@@ -556,7 +603,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
             self._wake.clear()
             state = self._retry("read the rendezvous", self._state)
             now = time.monotonic()
-            self._note_missing(state, now)
+            self._reader.note_missing(state, now)
             record = state.round
             if record.number > after and self.agent_id in record.members:
                 break
@@ -596,7 +643,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         log.info("agent %s: round %d, rank %d of %d", self.agent_id, self._round, rank, world)
         if self._store is not None:
             self._store.close()  # the previous round's: torch no longer uses it
-        lease = self._retry("read the job lease", self._job_lease_id)
+        lease = self._retry("read the job lease", self._job_lease.id)
         self._store = EtcdStore(self._client, self._k(f"store/{self._round}/"), lease,
                                 datetime.timedelta(seconds=self._store_timeout))
         bootstrap = RendezvousStoreInfo.build(rank, self._store, master_addr)
@@ -618,9 +665,9 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         n = len(waiting)
         if n < self._min:
             return
-        current = state.round if state.round is not NO_ROUND else self._last_round
+        current = self._reader.latest_round(state)
         in_round = current.members
-        out = [m for m in in_round if possibly_training(m, state, self._missing_since,
+        out = [m for m in in_round if possibly_training(m, state, self._reader.missing_since,
                                                         self.silence_hold_s, now)]
         broken = any(m in state.waiting for m in in_round)
         if out and not broken:
@@ -635,7 +682,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                 or (current.number > 0 and every_live_agent and quiet_s >= self._settle)):
             return
         members = tuple(waiting[: self._max])
-        number = next_round_number(state, self._highest_round)
+        number = next_round_number(state, self._reader.highest_round)
         if out:
             log.info("round %d: leaving out %s (not back after %.1f s)", number, out, quiet_s)
         record = RoundRecord(number, members)
@@ -646,12 +693,12 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         if number >= 3:  # the store two rounds back: nobody reads it any more
             ops.append(Txn.delete(self._k(f"store/{number - 2}/"), prefix=True))
 
-        def write(lease: int | None) -> bool:
+        def write(lease: int) -> bool:
             ok, _ = self._client.txn([guard], [Txn.put(self._k("round"), record.encode(), lease),
                                                *ops])
             return ok
 
-        if self._with_job_lease(write):
+        if self._job_lease.run(write):
             log.info("round %d: %s", number, list(members))
 
     def _leave(self) -> None:
@@ -667,7 +714,7 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
         if agent is not None:
             steps += [("say it left", self._say_left),
                       ("revoke its lease", lambda: agent.close(revoke=True))]
-        steps.append(("stop keeping the job lease", self._forget_job_lease))
+        steps.append(("stop keeping the job lease", self._job_lease.forget))
         steps.append(("stop the lease keeper", self._keeper.stop))
         if store is not None:
             steps.append(("close the store", store.close))
@@ -680,16 +727,12 @@ class PeerElasticRendezvousHandler(RendezvousHandler):
                 log.warning("leaving rendezvous %s: %s: %s", self._run_id, what, exc)
 
     def _say_left(self) -> None:
-        lease = self._job_lease
+        lease = self._job_lease.known
         if lease is None:
             return
         self._client.txn([], [Txn.put(self._k(f"left/{self.agent_id}"), b"", lease),
                               Txn.delete(self._k(f"agents/{self.agent_id}")),
                               Txn.delete(self._k(f"waiting/{self.agent_id}"))])
-
-    def _forget_job_lease(self) -> None:
-        if self._job_lease is not None:
-            self._keeper.forget(self._job_lease)
 
     def shutdown(self) -> bool:
         """At agent exit. When the job finished (torch's exit barrier passed in this round),

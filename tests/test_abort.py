@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer_elastic.torch.abort import GroupConnections, HangWatchdog, Loss, endpoint_matcher
-from peer_elastic.torch.held_connections import HeldConnections
+from peer_elastic.torch.gloo.abort import GroupConnections, HangWatchdog, Loss, endpoint_matcher
+from peer_elastic.torch.gloo.held_connections import HeldConnections
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.procs import Cluster, PeerProc, assert_exactly_once, others_output
 from tests.helpers.worker_lines import start_world_of_3
@@ -246,7 +246,7 @@ SETTINGS = {
     # abandoning the collective can meet it. Not far beyond, and the project's default: the
     # stopped peer, woken, may itself wait this long where gloo had queued one of its sends
     # (woken_peer_rejoins below). With DDP over a subgroup it did in 5 of 11 stops before
-    # the others held their connections open (peer_elastic.torch.held_connections), and
+    # the others held their connections open (peer_elastic.torch.gloo.held_connections), and
     # at 60 s each such run took 55 s longer.
     "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
     "PEER_ELASTIC_MIN_NP": 1,

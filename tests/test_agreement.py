@@ -1,6 +1,6 @@
 """After a reset, ranks agree on the newest state version and sync from whoever holds it.
 
-The rule itself (``peer_elastic.agreement.agree``) is pure and tested first; then the
+The rule itself (``peer_elastic.state.agreement.agree``) is pure and tested first; then the
 collective ``agree_and_sync`` on real gloo groups, including the cases issue 9 measured: a
 rank restored to commit k next to one live at k plus m steps, and a member returning with
 stale state whose commit count equals the survivors'.
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
-from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import TorchState
-from peer_elastic.torch.collectives import agree_and_sync
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion, agree
+from peer_elastic.state.sampler import ElasticSampler
+from peer_elastic.state.sync import agree_and_sync
 from tests.helpers.world import run_world as _run_world
 
 
@@ -179,7 +179,7 @@ def test_identical_versions_and_no_need_skip_the_sync(tmp_path: Path) -> None:
 
 
 def test_holders_are_the_ranks_at_the_agreed_version_that_kept_their_state() -> None:
-    from peer_elastic.agreement import holders
+    from peer_elastic.state.agreement import holders
 
     claims = [Claim(V(2, 3, 4), False), Claim(V(2, 3, 4), True), Claim(V(1, 3, 4), False),
               Claim(V(2, 3, 4), False)]

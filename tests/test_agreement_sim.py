@@ -1,7 +1,7 @@
 """Thousands of seeded schedules of the per-step protocol against the agreement rule.
 
 The model lives in ``tests/helpers/protocol_sim.py``; the rule is the real
-``peer_elastic.agreement.agree``. The real multi-process runs are in ``test_schedules.py``.
+``peer_elastic.state.agreement.agree``. The real multi-process runs are in ``test_schedules.py``.
 Replay one seed with ``run_schedule(seed)``; it raises with the schedule's events.
 """
 

@@ -1,4 +1,4 @@
-"""CheckCadence (peer_elastic.torch.check_cadence) on a fake clock: which plain checks
+"""CheckCadence (peer_elastic.torch.check.check_cadence) on a fake clock: which plain checks
 exchange, and what period a rank proposes; and two real peers checking back to back. Over
 a real group also: tests/test_pending_check.py (the period every rank agrees on) and
 tests/test_elastic.py (fast checks, join, leave and crash, exactly once)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer_elastic.torch.check_cadence import BUDGET, MAX_DELAY_S, CheckCadence
+from peer_elastic.torch.check.check_cadence import BUDGET, MAX_DELAY_S, CheckCadence
 
 
 class Clock:

@@ -128,14 +128,14 @@ def test_oldest_member_leads_and_ranks_agree_across_joins_and_leaves(peers: Peer
     gen, numbers = wait_gen([a, b, c], lambda g: len(g.roster) == 3)
     assert len(numbers) == 1
     assert [x.assignment().rank for x in (a, b, c)] == [0, 1, 2]
-    assert gen.joined == [c.member_id] and gen.needs_sync
+    assert gen.joined == [c.member_id]
 
     a.close()  # the leader leaves: b is now the oldest and takes over
     gen, numbers = wait_gen([b, c], lambda g: a.member_id not in g.roster)
     assert b.snapshot().departures[-1].graceful  # a deliberate exit, not a failure
     assert list(gen.roster) == [b.member_id, c.member_id]
     assert b.is_leader and gen.written_by == b.member_id
-    assert not gen.needs_sync  # removals only
+    assert list(gen.removed) == [a.member_id] and not gen.joined  # removals only
     assert {x.assignment().rank for x in (b, c)} == {0, 1}
 
 
@@ -230,8 +230,8 @@ def test_racing_writers_exactly_one_generation_wins(peers: Peers) -> None:
         t.start()
     for t in threads:
         t.join(10)
-    assert a.stats["generations_written"] + b.stats["generations_written"] - 1 == 1
-    assert a.stats["cas_lost"] + b.stats["cas_lost"] == 1
+    assert a.counters.generations_written + b.counters.generations_written - 1 == 1
+    assert a.counters.cas_lost + b.counters.cas_lost == 1
     kv = a.client.get(a.keys.generation)
     assert decode(GenerationRecord, kv.value).number == plan.number
 
@@ -356,7 +356,7 @@ def test_drain_removes_member_gracefully(peers: Peers) -> None:
     drain(a.client, peers.job, b.member_id, "test")
     assert b.drain_requested.wait(10)
     gen2, _ = wait_gen([a, b], lambda g: b.member_id not in g.roster)
-    assert "left" in gen2.reason and not gen2.needs_sync
+    assert "left" in gen2.reason and not gen2.joined
     assert list(gen2.causes) == [GenerationCause.GENERATION_CAUSE_LEFT]
     b.close()
     snap = a.view.wait_for(lambda s: b.member_id not in s.members, 10)
@@ -371,7 +371,7 @@ def test_lost_lease_rejoins_as_new_member(peers: Peers) -> None:
     gen, _ = wait_gen([a, b], lambda g: old not in g.roster and len(g.roster) == 2)
     assert b.member_id != old and b.member_id in gen.roster
     assert b.assignment().rank == 1  # a joiner, never rank 0
-    assert b.stats["rejoins"] == 1
+    assert b.counters.rejoins == 1
 
 
 def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_opens(
@@ -393,12 +393,12 @@ def test_a_lost_lease_ends_the_registration_at_once_and_rejoins_when_the_gate_op
     assert b.mark_broken(gen.number, "no registration, no write") is False
     # Held: nobody lists b again however long it waits (several of a's settle periods).
     assert a.view.wait_for(lambda s: len(s.members) > 1, 2.0) is None
-    assert b.stats["rejoins"] == 0 and b.member_id == old
+    assert b.counters.rejoins == 0 and b.member_id == old
     left.set()
     b.view.wake()  # what GroupManager.destroy does
     gen, _ = wait_gen([a, b], lambda g: len(g.roster) == 2)
     assert b.member_id != old and b.member_id in gen.roster
-    assert b.stats["rejoins"] == 1 and b.incarnation == incarnation + 1
+    assert b.counters.rejoins == 1 and b.incarnation == incarnation + 1
 
 
 def test_a_paused_job_takes_back_its_only_member_after_its_lease_lapsed(peers: Peers) -> None:
@@ -419,7 +419,7 @@ def test_blacklist_excludes_a_failing_host_for_its_cooldown(peers: Peers) -> Non
     (a,) = peers.start(1, host="good", **settings)
     (b,) = peers.start(1, host="flaky", **settings)
     wait_gen([a], lambda g: len(g.roster) == 2)
-    b.auto_rejoin = False
+    b.rejoin.auto = False
     a.client.revoke(b.lease_id)  # a failure, not a graceful leave
     snap = a.view.wait_for(lambda s: "flaky" in s.blacklist, 10)
     assert snap is not None

@@ -112,16 +112,16 @@ def test_forked_children_keep_neither_a_dead_peer_alive_nor_a_live_one_from_its_
         cluster: Cluster, tmp_path) -> None:
     """Processes a peer forks mid-run hold a copy of every descriptor. DataLoader workers
     stalled in their dataset outlive a SIGKILLed peer: its gloo connections and probe
-    listener must still close with it (peer_elastic.parent_only_sockets). With the workers
+    listener must still close with it (peer_elastic.process.parent_only_sockets). With the workers
     holding them the others got no reset and no refused probe, and waited for its lease
     (SLOW here; 4.3 s instead of 0.12 s where the workers' 5 s parent check ended them).
     A program it runs with the descriptors it may inherit (``os.system``) must not hold its
     gloo connections either, those of the subgroup its training function made included:
-    gloo opens them inheritable (peer_elastic.process_sockets.keep_from_exec); the others
+    gloo opens them inheritable (peer_elastic.process.sockets.keep_from_exec); the others
     then waited out the grace after the confirmed death.
     Then each survivor re-enters its training function and stops the helper process it
     forked (``terminate()``): that SIGTERM must end the helper, not reach the peer through
-    the handler the helper inherited (peer_elastic.signal_relay): the peer left the job, and
+    the handler the helper inherited (peer_elastic.process.signal_relay): the peer left the job, and
     the helper lived on.
     """
     end, hold = tmp_path / "end", tmp_path / "hold"
@@ -168,7 +168,7 @@ def test_a_dead_peer_s_connections_held_open_by_its_program_do_not_hold_the_othe
     out of Python's reach) inherits the subgroup's connections, gloo opening them
     inheritable. When the peer dies they stay open: no collective fails, every ack was
     given, so nothing but the lease (45 s here) ended the survivors' wait. A collective
-    that waits makes each rank probe its group (GroupManager.waited_on_peers): the refused
+    that waits makes each rank probe its group (Reachability.waited_on_peers): the refused
     probe marks the generation broken, the leader confirms the death, and the watchdog
     abandons the group within half a second, not a join timeout (GroupManager.lost_peer)."""
     end, hold, hang = tmp_path / "end", tmp_path / "hold", tmp_path / "hang"

@@ -248,7 +248,10 @@ def test_a_slow_or_idle_connection_is_closed_after_the_request_timeout(
         idle.settimeout(8)
         assert idle.recv(1) == b""  # closed by the server, well before our 8 s
         assert time.monotonic() - t0 < 6
-    assert dashboard.deadlines.expired >= 2
+    # The drip's reads all succeed: only the deadline closes it. The idle one is closed by
+    # whichever fires first of the deadline and the per-read socket timeout (both are the
+    # request timeout), so it need not be counted here.
+    assert dashboard.deadlines.expired >= 1
 
 
 def test_connections_past_the_cap_are_refused_at_once_and_do_not_starve_the_server(

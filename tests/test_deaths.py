@@ -22,7 +22,7 @@ from peer_elastic.etcd.deaths import (
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.roster import plan_next_generation, silent_members
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.probe_listener import ProbeListener
+from peer_elastic.process.probe_listener import ProbeListener
 from peer_elastic.records import MemberRecord
 from tests.helpers import views
 from tests.helpers.fakes import FakeWrites
@@ -91,7 +91,7 @@ def test_a_loopback_address_is_probed_only_from_a_loopback_address() -> None:
 
 
 def test_probeable_applies_the_same_rules_to_any_members() -> None:
-    # What a rank stuck forming a group probes (GroupManager._why_forming_is_stuck).
+    # What a rank stuck forming a group probes (Reachability.why_forming_is_stuck).
     s = snap(ALL, ALL)
     assert [t.member_id for t in probeable(s, "a-1", s.members.values())] \
         == ["b-1", "c-1", "d-1"]  # never itself

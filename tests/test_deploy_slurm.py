@@ -25,7 +25,7 @@ from peer_elastic import settings_table
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.keys import job_prefix
 from peer_elastic.etcd_server import find_etcd_binary, free_port
-from peer_elastic.netaddr import interface_addresses
+from peer_elastic.process.netaddr import interface_addresses
 from peer_elastic.records import MemberRecord, decode
 from tests.helpers.ci import running_in_ci
 from tests.helpers.multihost import SETTINGS as MULTIHOST_SETTINGS
@@ -108,7 +108,7 @@ def dry_run(tmp_path: Path, job_id: int, **extra: str) -> list[dict]:
     except FileNotFoundError:
         pytest.skip("no etcd binary")
     fake = tmp_path / "bin"
-    fake.mkdir()
+    fake.mkdir(parents=True)
     for name, body in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE),
                        ("scontrol", FAKE_SCONTROL)):
         (fake / name).write_text(body)
@@ -138,9 +138,36 @@ def dry_run(tmp_path: Path, job_id: int, **extra: str) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
+def free_port_pair() -> int:
+    """A loopback port P with P + 1 free as well (the script's etcd listens on both), both
+    probed while held together."""
+    for _ in range(100):
+        port = free_port()
+        probes = [socket.socket(), socket.socket()]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise AssertionError("no free loopback port pair")
+
+
 def test_dry_run_starts_etcd_and_one_peer_per_task(tmp_path: Path) -> None:
-    port = free_port()
-    docs = dry_run(tmp_path, 4242, ETCD_PORT=str(port), ETCD_ADDR="127.0.0.1")
+    # Between the probe and etcd's bind another process may take a port (the suite runs
+    # beside other work); etcd then says so and a new pair is tried, as EtcdServer does.
+    for attempt in range(3):
+        port = free_port_pair()
+        try:
+            docs = dry_run(tmp_path / f"try{attempt}", 4242, ETCD_PORT=str(port),
+                           ETCD_ADDR="127.0.0.1")
+            break
+        except AssertionError as exc:
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
     assert {d["PEER_ELASTIC_ETCD"] for d in docs} == {f"127.0.0.1:{port}"}
 
 

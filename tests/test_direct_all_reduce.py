@@ -1,4 +1,4 @@
-"""peer_elastic.torch.direct_all_reduce over a real gloo group of 3 processes: the hot path's
+"""peer_elastic.torch.transport.direct_all_reduce over a real gloo group of 3 processes: the hot path's
 all-reduce must give what ``dist.all_reduce`` gives, on the default group and a subgroup,
 and hand the wrapper's own cases (complex tensors, no group) back to it."""
 
@@ -18,7 +18,7 @@ def _reduce_all(rank: int, world: int, outdir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from peer_elastic.torch.direct_all_reduce import all_reduce_now, start_all_reduce
+    from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now, start_all_reduce
 
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 use it
     got: dict[str, list] = {}
@@ -55,7 +55,7 @@ def test_direct_all_reduce_gives_what_dist_all_reduce_gives(tmp_path: Path) -> N
 def test_without_a_group_the_error_is_torchs_own() -> None:
     import torch
 
-    from peer_elastic.torch.direct_all_reduce import all_reduce_now
+    from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now
 
     with pytest.raises((RuntimeError, ValueError), match="process group"):
         all_reduce_now(torch.zeros(1))

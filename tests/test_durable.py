@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
-from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.durable.layout import MANIFEST, CorruptSnapshot, SnapshotDir, SnapshotId
 from peer_elastic.durable.resume import load_snapshot, resume
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter
+from peer_elastic.state.agreement import Claim, StateVersion
 from tests.helpers.durable import Listener, make_state
 
 INFO = SnapshotInfo("r1-abc", 3, 2)

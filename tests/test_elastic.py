@@ -171,7 +171,7 @@ def test_ddp_rebuilt_in_a_reset_callback_survives_join_and_crash(cluster: Cluste
 def test_a_burst_of_sigterms_is_one_graceful_leave(cluster: Cluster) -> None:
     # SIGTERM comes more than once in the wild: Ctrl-C twice, a supervisor's repeat, the
     # kernel's parent-death signal again for an orphan. Handled in the signal handler, a
-    # burst once left a peer stuck for good, nested in itself (peer_elastic.signal_relay;
+    # burst once left a peer stuck for good, nested in itself (peer_elastic.process.signal_relay;
     # 1 of 5 such bursts before). Now it is one leave: the leaver exits 0, the other trains
     # on alone and the job ends exactly once.
     a, b = cluster.start(2, WORKER_EPOCHS=1)

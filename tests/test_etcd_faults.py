@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from peer_elastic import threads
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ClientClosed, EtcdUnavailable
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.watch import PrefixWatch
 from peer_elastic.etcd_server import free_port
+from peer_elastic.process import threads
 
 FAST = dict(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0, min_np=1)
 
@@ -106,7 +106,7 @@ def test_peers_survive_etcd_restart_without_spurious_generation(fresh_etcd, uniq
             assert s is not None
             # Exactly one new generation: the join. Nobody was dropped by the outage.
             assert s.generation.number == gen + 1, s.generation.reason
-        assert coords[0].stats["rejoins"] == coords[1].stats["rejoins"] == 0
+        assert coords[0].counters.rejoins == coords[1].counters.rejoins == 0
     finally:
         for c in coords:
             c.close()
@@ -139,7 +139,7 @@ def test_peer_keeps_lease_and_watch_when_its_etcd_member_dies(etcd_cluster, uniq
                                     and len(s.generation.roster) == 3, 20)
         assert s is not None, "the watch did not survive the member loss"
         assert s.generation.number == gen + 1
-        assert coords[0].member_id in s.members and coords[0].stats["rejoins"] == 0
+        assert coords[0].member_id in s.members and coords[0].counters.rejoins == 0
     finally:
         for c in coords:
             c.close()
@@ -232,8 +232,8 @@ def test_etcd_leader_changes_cost_no_generation_and_no_member(etcd_cluster, uniq
             assert s.generation.number == gen + 1, s.generation.reason
             assert members <= set(s.members)
             assert c.error is None
-        assert [c.stats["rejoins"] for c in coords] == [0, 0, 0]
-        assert [c.stats["dropped"] for c in coords] == [0, 0, 0]
+        assert [c.counters.rejoins for c in coords] == [0, 0, 0]
+        assert [c.counters.dropped for c in coords] == [0, 0, 0]
     finally:
         for c in coords:
             c.close()

@@ -1,5 +1,5 @@
 """A peer's process exits cleanly after join(): no thread of peer-elastic, and no thread of
-its etcd client, still runs into the interpreter's exit (peer_elastic.threads says why:
+its etcd client, still runs into the interpreter's exit (peer_elastic.process.threads says why:
 CPython <= 3.13 ends such threads with pthread_exit, which through gRPC's or torch's C++
 aborts the process or leaves a lock held; CI saw peers finish and then never exit)."""
 
@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from peer_elastic import threads
 from peer_elastic.errors import EtcdError
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.netaddr import probe
-from peer_elastic.probe_listener import ProbeListener
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import probe
+from peer_elastic.process.probe_listener import ProbeListener
 from tests.helpers.at_exit import PREFIX
 from tests.helpers.procs import Cluster, PeerProc, assert_no_thread_of_ours_left
 

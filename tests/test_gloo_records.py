@@ -1,4 +1,4 @@
-"""gloo's rank records and the listeners they name (``peer_elastic.torch.gloo_records``),
+"""gloo's rank records and the listeners they name (``peer_elastic.torch.gloo.gloo_records``),
 and the connections found by those listeners (``GroupConnections.touching``).
 
 Real gloo: groups are ``ProcessGroupGloo`` objects built on threads of this process over a
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.abort import GroupConnections
-from peer_elastic.torch.gloo_records import GlooListeners, GlooRankRecord, parse_gloo_rank
+from peer_elastic.torch.gloo.abort import GroupConnections
+from peer_elastic.torch.gloo.gloo_records import GlooListeners, GlooRankRecord, parse_gloo_rank
 from tests.helpers.gloo import ReportingStore, record_bytes
 
 

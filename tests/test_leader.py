@@ -13,6 +13,7 @@ from peer_elastic.errors import (
     PeerElasticError,
     ResetLimitExceeded,
 )
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.done import done_error
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.view import Departure
@@ -38,7 +39,7 @@ def test_only_the_oldest_eligible_member_writes() -> None:
     la, wa = leader("a-1")
     la.step(s, 5.0)
     assert wa.calls == [("generation", 1, ("a-1", "b-1"), 1000.0 - 5.0)]
-    assert la.stats["generations_written"] == 1
+    assert la.counters.generations_written == 1
 
 
 def test_waiting_leader_says_when_to_look_again() -> None:
@@ -60,7 +61,7 @@ def test_silent_members_are_dropped_after_join_timeout_and_their_leases_revoked(
     assert wa.calls == []
     la.step(s, 100.0 + timeout)
     assert wa.calls == [("generation", 3, ("a-1", "c-1"), 1000.0), ("revoke", 11)]
-    assert la.stats["dropped"] == 1
+    assert la.counters.dropped == 1
 
 
 def test_an_election_the_writer_had_not_heard_of_drops_nobody() -> None:
@@ -106,7 +107,7 @@ def test_reset_limit_ends_the_run_instead_of_writing_a_generation() -> None:
 def test_a_lost_race_is_counted() -> None:
     la, _ = leader(written=Written.LOST)
     la.step(snap(["a-1"], min_np=1), 5.0)
-    assert la.stats == {"generations_written": 0, "cas_lost": 1, "dropped": 0}
+    assert la.counters == CoordinatorCounters(generations_written=0, cas_lost=1, dropped=0)
 
 
 def test_too_large_halves_the_roster_budget_or_fails_when_minimal() -> None:
@@ -141,6 +142,33 @@ def test_event_log_is_pruned_once_ten_percent_over_the_cap() -> None:
     la.step(s, 5.0)
     la.step(dataclasses.replace(s, version=2), 6.0)  # not again before the view saw it
     assert wa.calls == [("prune", 100)]
+
+
+def test_event_log_is_pruned_again_once_the_view_saw_the_last_prune() -> None:
+    la, wa = leader()
+    la.events_kept = 100
+    wa.pruned_at = 5  # the view has seen the prune from revision 5 on
+    s = snap(["a-1"], gen=(1, ["a-1"]), ready=["a-1"], event_count=120)
+    la.step(dataclasses.replace(s, revision=3), 5.0)
+    la.step(dataclasses.replace(s, revision=4, event_count=130), 5.0)  # stale: before 5
+    assert wa.calls == [("prune", 100)]
+    # Regrown after the prune to exactly the count the first prune was decided at.
+    la.step(dataclasses.replace(s, revision=5, event_count=100), 6.0)
+    la.step(dataclasses.replace(s, revision=7, event_count=120), 6.0)
+    assert wa.calls == [("prune", 100)] * 2
+
+
+def test_a_view_whose_revision_went_back_is_taken_as_fresh() -> None:
+    la, wa = leader()
+    la.events_kept = 100
+    wa.pruned_at = 50
+    s = snap(["a-1"], gen=(1, ["a-1"]), ready=["a-1"], event_count=120)
+    la.step(dataclasses.replace(s, revision=10), 5.0)
+    la.step(dataclasses.replace(s, revision=40), 5.0)  # stale: not yet at 50
+    assert wa.calls == [("prune", 100)]
+    # etcd was replaced (restored from a backup): its revisions start lower again.
+    la.step(dataclasses.replace(s, revision=3), 6.0)
+    assert wa.calls == [("prune", 100)] * 2
 
 
 @pytest.mark.parametrize(("cause", "reason", "error"), [

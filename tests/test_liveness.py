@@ -34,7 +34,7 @@ from peer_elastic.liveness import (
     thread_waits_on_peers,
 )
 from peer_elastic.records import FenceCause, FenceRecord, GenerationCause, decode, encode
-from peer_elastic.torch import collectives, direct_all_reduce
+from peer_elastic.torch.transport import collectives, direct_all_reduce, layout_check
 from tests.helpers import views
 from tests.helpers.cluster_fixture import cluster_fixture
 from tests.helpers.fakes import FakeClock
@@ -268,8 +268,9 @@ def _blocked_in(path: str, started: threading.Event, release: threading.Event) -
     # DistributedOptimizer's all-reduce, issued without torch's wrapper (the file itself, as
     # installed here: a peer blocked in it waits on a hung one, it is not hung itself).
     (direct_all_reduce.__file__, True),
-    # A state sync waits on its buckets' and layout check's works in this module itself.
+    # A state sync waits on its buckets' and layout check's works in these modules themselves.
     (collectives.__file__, True),
+    (layout_check.__file__, True),
     ("/venv/lib/python3.12/site-packages/peer_elastic/optim.py", False),
     ("/venv/lib/python3.12/site-packages/torch/utils/data/dataloader.py", False),
     ("/home/me/train.py", False),

@@ -1,4 +1,4 @@
-"""The lost-state rule and rank 0's throttled mark (peer_elastic.lost_state), and a real job
+"""The lost-state rule and rank 0's throttled mark (peer_elastic.state.lost_state), and a real job
 in which every holder of the state dies at once while a standby lives."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from peer_elastic.agreement import StateVersion
-from peer_elastic.lost_state import StateMarker, lost_state
 from peer_elastic.records import StateRecord
+from peer_elastic.state.agreement import StateVersion
+from peer_elastic.state.lost_state import StateMarker, lost_state
 from peer_elastic.testing import EtcdCluster
 from tests.helpers.schedules import Pattern, Plan, ScheduleRunner
 

@@ -76,7 +76,8 @@ def worker(endpoint: str, job: str, count: int) -> int:
         elif line.strip() == "unload":
             unloaded.set()
         elif line.strip() == "stats":
-            stats = {k: sum(c.stats[k] for c in coords) for k in coords[0].stats}
+            stats = {k: sum(c.counters.as_dict()[k] for c in coords)
+                     for k in coords[0].counters.as_dict()}
             stats["errors"] = sum(1 for c in coords if c.error is not None)
             stats["members"] = sorted(c.member_id for c in coords)
             print(json.dumps(stats), flush=True)

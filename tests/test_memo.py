@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from peer_elastic.memo import IdentityMemo
+from peer_elastic.process.memo import IdentityMemo
 
 
 def test_the_value_stands_only_while_every_fact_is_the_same_object() -> None:

@@ -21,6 +21,7 @@ import pytest
 from peer_elastic import metrics as pm
 from peer_elastic.elastic import Peer
 from peer_elastic.errors import ConfigError, HostsUpdatedInterrupt
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.observer import PeerStats, observed
 from peer_elastic.records import GenerationCause
 from peer_elastic.state import ObjectState, TorchState
@@ -41,8 +42,7 @@ def fake_peer(**kw: Any) -> SimpleNamespace:
     coord = SimpleNamespace(job="jobA", host="hostA", config=SimpleNamespace(min_np=2, max_np=4),
                             latest_generation=SimpleNamespace(number=3),
                             snapshot=lambda: snap,
-                            stats={"generations_written": 2, "cas_lost": 0, "rejoins": 1,
-                                   "dropped": 0})
+                            counters=CoordinatorCounters(generations_written=2, rejoins=1))
     values = {"generation": 3, "size": 2, "rank": 1, "is_leader": False,
               "coordinator": coord, "stats": PeerStats(),
               "straggler": SimpleNamespace(score=math.nan, own_s=math.nan, waited_s=math.nan)}
@@ -178,7 +178,7 @@ def test_gauges_read_the_peer_live() -> None:
     peer.generation, peer.size, peer.rank, peer.is_leader = 4, 3, 0, True
     peer.coordinator.config.max_np = 8
     peer.coordinator.latest_generation = SimpleNamespace(number=5)  # a reset under way
-    peer.coordinator.stats["rejoins"] += 1
+    peer.coordinator.counters.rejoins += 1
     peer.stats.collective_abandoned()
     peer.stats.count("checks_spaced")
     assert sample(m, "peer_elastic_generation") == 4

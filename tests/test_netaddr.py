@@ -1,4 +1,4 @@
-"""Address selection (peer_elastic.netaddr) on this machine's loopback; the multi-host
+"""Address selection (peer_elastic.process.netaddr) on this machine's loopback; the multi-host
 behaviour is tests/test_multihost.py's."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from collections.abc import Iterator
 import pytest
 
 from peer_elastic.errors import ConfigError
-from peer_elastic.netaddr import (
+from peer_elastic.process.netaddr import (
     GLOO_IFNAME,
     interface_addresses,
     plain_ip,
     probe,
     select_address,
 )
-from peer_elastic.probe_listener import ProbeListener
+from peer_elastic.process.probe_listener import ProbeListener
 
 
 @pytest.fixture(autouse=True)

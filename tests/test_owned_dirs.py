@@ -1,5 +1,5 @@
 """Temp dirs that name their owners, and the sweep of those whose owners all exited
-(peer_elastic.owned_dirs). The real case, a SIGKILLed ``peer-elastic run --standalone``,
+(peer_elastic.process.owned_dirs). The real case, a SIGKILLed ``peer-elastic run --standalone``,
 is in tests/test_parent_death.py."""
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from peer_elastic.owned_dirs import OWNERS, ProcessId, add_owner, make_owned_dir, owners, sweep
+from peer_elastic.process.owned_dirs import (
+    OWNERS,
+    ProcessId,
+    add_owner,
+    make_owned_dir,
+    owners,
+    sweep,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -1,4 +1,4 @@
-"""A SIGKILLed launcher takes its children with it (peer_elastic.parent_death), on real
+"""A SIGKILLed launcher takes its children with it (peer_elastic.process.parent_death), on real
 processes: the peers ``peer-elastic run`` started, and its embedded etcd."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from peer_elastic.etcd_server import WORK_DIR_PREFIX
-from peer_elastic.owned_dirs import sweep
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.owned_dirs import sweep
+from peer_elastic.process.parent_death import die_with_parent
 from tests.helpers.procs import gone, native_stacks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -78,7 +78,7 @@ def test_a_child_gets_the_signal_when_its_parent_is_killed() -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c",
          "import signal, subprocess, sys, time\n"
-         "from peer_elastic.parent_death import die_with_parent\n"
+         "from peer_elastic.process.parent_death import die_with_parent\n"
          "child = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent(signal.SIGTERM))\n"
          "print(child.pid, flush=True)\n"
          "time.sleep(300)\n"],
@@ -132,7 +132,7 @@ TRAIN = [sys.executable, "examples/train_digits.py", "--epochs", "1000"]  # trai
 SPAWN_BESIDE_BUSY_GRPC = """
 import collections, signal, subprocess, sys, threading
 from peer_elastic.etcd.client import EtcdClient
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.parent_death import die_with_parent
 
 client = EtcdClient(sys.argv[1])
 stop = threading.Event()

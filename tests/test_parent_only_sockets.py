@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from peer_elastic.parent_only_sockets import ParentOnlySockets
+from peer_elastic.process.parent_only_sockets import ParentOnlySockets
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
 

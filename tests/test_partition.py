@@ -200,7 +200,7 @@ def test_peer_cut_off_from_etcd_loses_its_lease_stops_and_rejoins(
 PEER_CUT_SETTINGS = dict(
     SETTINGS,
     # The cut-off peer keeps its lease, so the collective in flight at the cut may wait this
-    # long; the probes of a long wait (GroupManager.waited_on_peers) usually end it sooner
+    # long; the probes of a long wait (Reachability.waited_on_peers) usually end it sooner
     # (about 12 s), not always (see the assertion).
     PEER_ELASTIC_COLLECTIVE_TIMEOUT=20,
     WORKER_SAMPLES=960,

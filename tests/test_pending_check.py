@@ -1,4 +1,4 @@
-"""PendingCheck (peer_elastic.torch.pending_check) over a real gloo group of 2-4 processes.
+"""PendingCheck (peer_elastic.torch.check.pending_check) over a real gloo group of 2-4 processes.
 
 The async generation exchange must give every rank the same answer at the same call (so all
 raise together, one check after a rank first saw the change), must never wait on an op of
@@ -38,7 +38,7 @@ def _agreement_worker(store_path: str, rank: int, world: int, raiser: int, at: i
         import torch
         import torch.distributed as dist
 
-        from peer_elastic.torch.pending_check import PendingCheck
+        from peer_elastic.torch.check.pending_check import PendingCheck
 
         _init(store_path, rank, world)
         group = object()
@@ -104,8 +104,8 @@ def _dying_worker(store_path: str, rank: int, world: int, out: Any) -> None:
         import torch
         import torch.distributed as dist
 
+        from peer_elastic.torch.check.pending_check import PendingCheck
         from peer_elastic.torch.group import is_collective_failure
-        from peer_elastic.torch.pending_check import PendingCheck
 
         _init(store_path, rank, world, timeout_s=10.0)
         group = object()
@@ -142,7 +142,7 @@ def _max_exchange_worker(store_path: str, rank: int, world: int, out: Any) -> No
         import torch
         import torch.distributed as dist
 
-        from peer_elastic.torch.max_exchange import MaxExchange
+        from peer_elastic.torch.check.max_exchange import MaxExchange
 
         _init(store_path, rank, world)
         exchange = MaxExchange(3, torch.device("cpu"))
@@ -163,7 +163,7 @@ def _max_exchange_worker(store_path: str, rank: int, world: int, out: Any) -> No
 
 @pytest.mark.slow
 def test_max_exchange_gives_every_rank_the_elementwise_max(tmp_path: Path) -> None:
-    """The per-step protocol's one collective (peer_elastic.torch.max_exchange): written
+    """The per-step protocol's one collective (peer_elastic.torch.check.max_exchange): written
     through a host view and issued on the process group's own method, it must still give
     every rank the MAX of every rank's values, round after round in the same buffer."""
     world = 3
@@ -179,7 +179,7 @@ def test_max_exchange_gives_every_rank_the_elementwise_max(tmp_path: Path) -> No
 def test_max_exchange_without_a_group_says_so() -> None:
     import torch
 
-    from peer_elastic.torch.max_exchange import MaxExchange
+    from peer_elastic.torch.check.max_exchange import MaxExchange
 
     with pytest.raises(RuntimeError, match="no default process group"):
         MaxExchange(2, torch.device("cpu")).start((1, 2))

@@ -77,6 +77,17 @@ def test_generation_validation() -> None:
                 .causes) == [8, 99]
 
 
+def test_a_generation_record_of_an_older_writer_with_needs_sync_still_decodes() -> None:
+    # Field 5 (needs_sync, bool) was written and never read; it is reserved now. Records
+    # written before, which carry it, decode the same (protobuf: tag 5 << 3 | varint, 1).
+    old = encode(GenerationRecord(number=3, roster=["a", "b"], reason="joined: b",
+                                  written_by="a")) + bytes([5 << 3 | 0, 1])
+    rec = decode(GenerationRecord, old, "/peer-elastic/j/r/generation")
+    assert (rec.number, list(rec.roster), rec.reason, rec.written_by) == \
+        (3, ["a", "b"], "joined: b", "a")
+    assert "needs_sync" not in GenerationRecord.DESCRIPTOR.fields_by_name
+
+
 def test_state_record_validation() -> None:
     ok = StateRecord(commits=3, generation=2, unix=1.0, written_by="h-1-abc")
     assert decode(StateRecord, encode(ok)).commits == 3

@@ -11,7 +11,7 @@ waits for the newer generation before reading its peers'. The commit point
 
 A member killed right after publishing its address strands the others the same way, and
 no commit point helps there. Once its death supersedes the generation, each rank's
-formation guard (``peer_elastic.torch.stranded_connect``) hands gloo's waiting pairs a
+formation guard (``peer_elastic.torch.gloo.stranded_connect``) hands gloo's waiting pairs a
 closed socket; as a backstop, groups form under a shorter timeout
 (``GroupManager.init_timeout_s``), which bounds the wait at five times that.
 """
@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import re
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from peer_elastic.etcd.coordinator import Assignment
-from peer_elastic.torch.group import FormedGroup, GroupManager
+from peer_elastic.torch.formed_group import FormedGroup
+from peer_elastic.torch.group import GroupManager
 from tests.helpers.cluster_fixture import cluster_fixture
+from tests.helpers.fakes import FakeCoordinator
 from tests.helpers.procs import Cluster, PeerProc
+from tests.helpers.views import cfg
 
 # Groups form under max(5, 4 x join timeout) s + 20 ms a rank = 5.06 s here, and then get
 # this collective timeout. A rank stranded in gloo waits five times the former: 25 s.
@@ -128,25 +130,19 @@ def test_a_member_killed_while_the_others_connect_to_it_costs_no_group_timeouts(
 ])
 def test_groups_form_under_a_shorter_timeout_than_their_collectives(
         join_timeout_s: float, collective_timeout_s: float, size: int, expected: float) -> None:
-    coordinator = SimpleNamespace(config=SimpleNamespace(join_timeout_s=join_timeout_s),
-                                  client=SimpleNamespace(endpoints=()),
-                                  hold_rejoin=lambda until: None)
-    groups = GroupManager(coordinator, "gloo", collective_timeout_s)  # type: ignore[arg-type]
+    coordinator = FakeCoordinator(cfg(join_timeout_s=join_timeout_s))
+    groups = GroupManager(coordinator, "gloo", collective_timeout_s)
     assert groups.init_timeout_s(size) == pytest.approx(expected)
+    groups.close()
 
 
 def test_a_peer_that_lost_its_lease_registers_again_only_after_leaving_its_group() -> None:
     # The coordinator asks the gate before re-registering (Coordinator.hold_rejoin). A
     # training thread still in a group of the lost registration (gloo can keep a queued send
     # there until the group's timeout) must not be listed again: the others would wait for it.
-    gates: list[object] = []
-    woken: list[bool] = []
-    coordinator = SimpleNamespace(config=SimpleNamespace(join_timeout_s=1.0),
-                                  client=SimpleNamespace(endpoints=()), incarnation=1,
-                                  hold_rejoin=gates.append,
-                                  view=SimpleNamespace(wake=lambda: woken.append(True)))
-    groups = GroupManager(coordinator, "gloo", 30.0)  # type: ignore[arg-type]
-    assert gates == [groups.left_lost_registration]
+    coordinator = FakeCoordinator(cfg(join_timeout_s=1.0), incarnation=1)
+    groups = GroupManager(coordinator, "gloo", 30.0)
+    assert coordinator.rejoin_gate == groups.left_lost_registration
     assert groups.left_lost_registration()  # a standby, or between groups
     a = Assignment(generation=3, rank=0, size=2, roster=("m", "n"), joined=False, reason="")
     groups.current = FormedGroup(a, "gloo", 0.0, 0.0, 0.0, incarnation=1)
@@ -154,6 +150,6 @@ def test_a_peer_that_lost_its_lease_registers_again_only_after_leaving_its_group
     coordinator.incarnation = 2  # the lease is lost
     assert not groups.left_lost_registration()
     groups.destroy()  # the training thread left the group: the coordinator is woken
-    assert groups.left_lost_registration() and woken
+    assert groups.left_lost_registration() and coordinator.view.wakes
     groups.close()
-    assert gates[-1] is None  # a closed manager holds nothing back
+    assert coordinator.rejoin_gate is None  # a closed manager holds nothing back

@@ -1,5 +1,5 @@
 """The reset vote riding on DistributedOptimizer's gradient all-reduce and on DDP's with
-pe.allreduce_hook (peer_elastic.torch.reset_vote): unit tests of the carrier, then real gloo
+pe.allreduce_hook (peer_elastic.torch.check.reset_vote): unit tests of the carrier, then real gloo
 groups.
 
 Every rank must take the same answer at the same check (so all raise together), the vote
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import peer_elastic as pe
-from peer_elastic.torch.reset_vote import Ballot, ResetVote, current_vote, voting
+from peer_elastic.torch.check.reset_vote import Ballot, ResetVote, current_vote, voting
 from tests.helpers.world import run_world
 
 STEPS = 6

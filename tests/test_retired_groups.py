@@ -1,4 +1,4 @@
-"""RetiredGroups (peer_elastic.torch.retired_groups): a destroyed group stays referenced
+"""RetiredGroups (peer_elastic.torch.gloo.retired_groups): a destroyed group stays referenced
 until the next one is destroyed, and the last reference goes on a helper thread, never on
 the caller's. On the real thing, the deadlock it avoids is a race (a gloo worker finishing
 a collective while a DDP reducer frees the group): benchmarks/stop_storm.py reproduces it
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from peer_elastic.torch.retired_groups import RetiredGroups
+from peer_elastic.torch.gloo.retired_groups import RetiredGroups
 
 
 class Group:

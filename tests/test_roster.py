@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from peer_elastic.etcd.roster import GenerationPlan, Wait, plan_next_generation, silent_members
+from peer_elastic.etcd.roster import (
+    GenerationPlan,
+    Wait,
+    plan_next_generation,
+    silence_deadline,
+    silent_members,
+)
 from peer_elastic.etcd.view import ViewSnapshot
 from peer_elastic.records import (
     GenerationCause,
@@ -34,7 +40,7 @@ def test_survivors_keep_their_order_and_newcomers_never_take_rank_0() -> None:
     s = snap(["c-1", "b-1", "d-1"], gen=(4, ["b-1", "x-1"]))
     p = plan_next_generation(s, cfg(), set(), 100)
     assert p.roster == ("b-1", "c-1", "d-1")
-    assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",) and p.needs_sync
+    assert p.joined == ("c-1", "d-1") and p.removed == ("x-1",)
     assert p.causes == (C.GENERATION_CAUSE_EXPIRED, C.GENERATION_CAUSE_JOINED)
 
 
@@ -46,13 +52,13 @@ def test_max_np_makes_standbys_and_promotes_them() -> None:
     assert p.roster == ("a-1", "c-1") and p.joined == ("c-1",)
 
 
-def test_removals_only_need_no_sync_but_a_broken_generation_does() -> None:
+def test_removals_only_write_the_survivors_and_a_broken_generation_its_same_roster() -> None:
     s = snap(["a-1"], gen=(3, ["a-1", "b-1"]))
     p = plan_next_generation(s, cfg(), set(), 100)
-    assert p.roster == ("a-1",) and not p.needs_sync
+    assert p.roster == ("a-1",) and not p.broken
     s = snap(["a-1", "b-1"], gen=(3, ["a-1", "b-1"]), broken=["a-1"])
     p = plan_next_generation(s, cfg(), set(), 0.0)  # broken: no settle wait
-    assert p.roster == ("a-1", "b-1") and p.needs_sync and p.broken and p.number == 4
+    assert p.roster == ("a-1", "b-1") and p.broken and p.number == 4
     assert p.causes == (C.GENERATION_CAUSE_BROKEN,)
 
 
@@ -112,6 +118,17 @@ def test_silence_is_not_counted_while_etcd_was_disrupted() -> None:
     assert silent_members(s, 90.0, 1.0, 100.6, settled_at=99.5) == {"b-1": "ready"}
 
 
+def test_silence_starts_join_timeout_after_the_later_of_the_ack_owed_and_the_floor() -> None:
+    assert silence_deadline(90.0, floor=0.0, join_timeout_s=1.0) == 91.0
+    assert silence_deadline(90.0, floor=99.5, join_timeout_s=1.0) == 100.5
+    # The leader's next look is the moment silent_members first names the member.
+    s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1"])
+    for seen_at, settled_at in ((0.1, 0.0), (0.1, 10.3), (7.7, 0.0)):
+        at = silence_deadline(seen_at, settled_at, 10.2)
+        assert silent_members(s, seen_at, 10.2, at, settled_at) == {"b-1": "ready"}
+        assert silent_members(s, seen_at, 10.2, at - 1e-6, settled_at) == {}
+
+
 def test_a_dead_leader_is_found_by_its_missing_alive_ack() -> None:
     # Everyone acked generation 3 long ago; then it broke (b's collective failed). The dead
     # leader a never answers "alive": it is silent, and the next-oldest can drop it.
@@ -137,7 +154,7 @@ def test_departures_below_min_np_write_a_waiting_generation() -> None:
     # ... and then everyone joins, the oldest (the state holder) first.
     s = snap(["a-1", "c-1"], gen=(5, []))
     p = plan_next_generation(s, cfg(min_np=2), {}, 100)
-    assert p.roster == ("a-1", "c-1") and p.needs_sync
+    assert p.roster == p.joined == ("a-1", "c-1")
 
 
 def test_roster_is_capped_by_its_byte_budget_and_the_reason_says_so() -> None:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from peer_elastic.sampler import ElasticSampler
 from peer_elastic.state import TorchState
+from peer_elastic.state.sampler import ElasticSampler
 
 # --- helpers ---------------------------------------------------------------------------------
 

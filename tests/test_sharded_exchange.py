@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from peer_elastic.agreement import Claim, StateVersion
 from peer_elastic.sharded.exchange import DIRECT_BYTES, flat_views, transfer
+from peer_elastic.state.agreement import Claim, StateVersion
 from tests.helpers.world import run_world
 
 

@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 
-from peer_elastic.agreement import StateVersion
 from peer_elastic.sharded.plan import (
     Holding,
     Layout,
@@ -26,6 +25,7 @@ from peer_elastic.sharded.plan import (
     rows,
     wanted_shards,
 )
+from peer_elastic.state.agreement import StateVersion
 
 V1 = StateVersion(1, 5, 2, 9)
 V2 = StateVersion(1, 6, 2, 12)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.process.signal_relay import SignalRelay
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 

@@ -14,27 +14,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.errors import HostsUpdatedInterrupt
-from peer_elastic.handlers import (
+from peer_elastic.state import ObjectState, State, TorchState
+from peer_elastic.state.codec import decode_values, encode_values
+from peer_elastic.state.handlers import (
     ModuleHandler,
     StateHandler,
     make_handler,
     register_handler,
     unregister_handler,
 )
-from peer_elastic.sampler import ElasticSampler
-from peer_elastic.state import ObjectState, State, TorchState
-from peer_elastic.torch.collectives import (
+from peer_elastic.state.sampler import ElasticSampler
+from peer_elastic.torch.transport.buckets import halves
+from peer_elastic.torch.transport.collectives import (
     SourceCannotSend,
     broadcast_bytes,
     broadcast_plain,
     broadcast_tensors,
-    broadcast_validated,
-    halves,
-    start_layout_check,
-    syncing_from,
 )
+from peer_elastic.torch.transport.layout_check import broadcast_validated, start_layout_check
+from peer_elastic.torch.transport.sync_source import syncing_from
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -74,7 +73,7 @@ def _assert_same(a: Any, b: Any, path: str = "") -> None:
 
 @pytest.fixture
 def clean_registry():
-    from peer_elastic import handlers
+    from peer_elastic.state import handlers
 
     saved = handlers.registered_handlers()
     yield
@@ -585,8 +584,8 @@ def test_sync_makes_every_rank_bit_identical(tmp_path: Path) -> None:
 
 
 def _striped_worker(rank: int, world: int, outdir: Path) -> None:
-    from peer_elastic.agreement import Claim, StateVersion
-    from peer_elastic.torch.collectives import agree_and_sync
+    from peer_elastic.state.agreement import Claim, StateVersion
+    from peer_elastic.state.sync import agree_and_sync
 
     out: dict[str, Any] = {}
     holder = rank < 3  # ranks 0-2 survived with one state; rank 3 joined with its own
@@ -647,7 +646,8 @@ def test_a_large_packed_bucket_is_cut_at_the_tensor_boundary_nearest_its_middle(
 
 
 def test_syncing_from_requires_the_source_among_the_holders() -> None:
-    from peer_elastic.torch.collectives import shard_bounds, sync_holders, syncing_from
+    from peer_elastic.torch.transport.buckets import shard_bounds
+    from peer_elastic.torch.transport.sync_source import sync_holders, syncing_from
 
     with pytest.raises(ValueError, match="not among the holders"):
         with syncing_from(2, holders=(0, 1)):
@@ -660,7 +660,7 @@ def test_syncing_from_requires_the_source_among_the_holders() -> None:
 
 
 def test_a_handler_with_its_own_sync_is_not_bypassed_by_an_inherited_description() -> None:
-    from peer_elastic.handlers import describe_for_sync
+    from peer_elastic.state.handlers import describe_for_sync
 
     class OwnSync(ModuleHandler):
         def sync(self) -> None:  # pragma: no cover - never called here

@@ -53,3 +53,18 @@ def test_a_cut_off_roster_member_means_the_group_cannot_complete_after_a_lost_on
     snap.cut_off = lambda: frozenset({"z"})  # a member of no concern to this group
     snap.members = {"m": 1, "x": 1, "y": 1}
     assert stop_reason(_coord(), group, snap, causes=CANNOT_COMPLETE) is None
+
+
+def test_the_end_of_participation_is_the_fatal_error_the_jobs_end_or_a_leave() -> None:
+    from peer_elastic.errors import JobFinished, LeaveRequested
+    from peer_elastic.etcd.stop import participation_end
+    from peer_elastic.records import DoneCause, DoneRecord
+
+    assert participation_end(_coord(), _snap()) is None
+    boom = RuntimeError("boom")
+    assert participation_end(_coord(error=boom), _snap(done=object())) is boom
+    done = DoneRecord(success=True, cause=DoneCause.DONE_CAUSE_RETURNED)
+    assert isinstance(participation_end(_coord(), _snap(done=done)), JobFinished)
+    coord = _coord()
+    coord.drain_requested.set()  # drained, and the newest roster no longer lists it
+    assert isinstance(participation_end(coord, _snap()), LeaveRequested)

@@ -1,5 +1,5 @@
 """Freeing a rank that gloo leaves waiting for a member gone mid-rendezvous
-(``peer_elastic.torch.stranded_connect``).
+(``peer_elastic.torch.gloo.stranded_connect``).
 
 Real gloo throughout: groups are ``ProcessGroupGloo`` objects built on threads of this
 process over a ``HashStore``, so a rank's record and its listener are gloo's own. The
@@ -18,8 +18,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from peer_elastic.torch.gloo_records import GlooRankRecord
-from peer_elastic.torch.stranded_connect import FormingGuard, release_listening_pairs
+from peer_elastic.torch.gloo.gloo_records import GlooRankRecord
+from peer_elastic.torch.gloo.stranded_connect import FormingGuard, release_listening_pairs
 from tests.helpers.gloo import ReportingStore, record_bytes
 
 

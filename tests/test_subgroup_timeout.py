@@ -1,5 +1,5 @@
 """Groups the training script makes without a timeout get the job's collective timeout
-(peer_elastic.torch.subgroup_timeout); the real peer woken past its lease with a send gloo
+(peer_elastic.torch.gloo.subgroup_timeout); the real peer woken past its lease with a send gloo
 queued is in tests/test_abort.py (the subgroup tests' victim comes back)."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from peer_elastic.torch.subgroup_timeout import bound_default_timeouts, restore_default_timeouts
+from peer_elastic.torch.gloo.subgroup_timeout import (
+    bound_default_timeouts,
+    restore_default_timeouts,
+)
 
 
 def test_new_groups_default_to_the_job_timeout_until_restored() -> None:

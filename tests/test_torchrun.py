@@ -581,7 +581,7 @@ def test_master_addr_is_chosen_by_netaddr(etcd: str, unique_job: str,
     """Without ``--local-addr``, rank 0 publishes the address netaddr.select_address picks
     for the etcd endpoints (not torch's socket.getfqdn()); ``--local-addr`` still wins."""
     import peer_elastic.torchrun as tr
-    from peer_elastic.netaddr import NetChoice
+    from peer_elastic.process.netaddr import NetChoice
 
     asked: list[list[tuple[str, int]]] = []
 
@@ -605,7 +605,7 @@ def test_master_addr_honours_peer_elastic_addr_and_sets_gloo(
     the agent's environment (GLOO_SOCKET_IFNAME); an address not on this machine fails the
     rendezvous with the ConfigError a peer would get."""
     from peer_elastic.errors import ConfigError
-    from peer_elastic.netaddr import GLOO_IFNAME, NCCL_IFNAME
+    from peer_elastic.process.netaddr import GLOO_IFNAME, NCCL_IFNAME
 
     saved = {k: os.environ.get(k) for k in (GLOO_IFNAME, NCCL_IFNAME)}
     for name in ("PEER_ELASTIC_ADDR", "PEER_ELASTIC_IFNAME", GLOO_IFNAME, NCCL_IFNAME):

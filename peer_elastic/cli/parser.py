@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from peer_elastic.cli.exit_codes import ExitCode
 from peer_elastic.config import JOB_FIELDS
@@ -95,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     return build_command_line().parser
 
 
+class _Subcommands:
+    """Adds subcommands to the ``peer-elastic`` parser, each with the logging flags, and
+    keeps each one's parser by name."""
+
+    def __init__(self, parser: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:
+        self._sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        self._common = common
+        self.parsers: dict[str, argparse.ArgumentParser] = {}
+
+    def add(self, name: str, help: str, description: str) -> argparse.ArgumentParser:
+        self.parsers[name] = self._sub.add_parser(name, help=help, description=description,
+                                                  parents=[self._common])
+        return self.parsers[name]
+
+
 def build_command_line() -> CommandLine:
     common = _logging_flags()
     parser = argparse.ArgumentParser(
@@ -105,16 +119,18 @@ def build_command_line() -> CommandLine:
     )
     parser.add_argument("--version", action="version",
                         version=f"peer-elastic {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = _Subcommands(parser, common)
+    _add_run(commands)
+    _add_etcd(commands)
+    _add_job_readers(commands)
+    _add_job_controls(commands)
+    _add_job_views(commands)
+    return CommandLine(parser, commands.parsers)
 
-    commands: dict[str, argparse.ArgumentParser] = {}
 
-    def command(name: str, help: str, description: str, **kw: Any) -> argparse.ArgumentParser:
-        commands[name] = sub.add_parser(name, help=help, description=description,
-                                        parents=[common], **kw)
-        return commands[name]
-
-    run = command(
+def _add_run(commands: _Subcommands) -> None:
+    """``run``: N local peers of one job."""
+    run = commands.add(
         "run", "start N identical local peers running CMD",
         f"Start N identical peers running CMD, with the job's settings in their environment. "
         f"The job's name and etcd come from --job / --etcd, else ${JOB.env} / ${ETCD.env} (a "
@@ -139,7 +155,10 @@ def build_command_line() -> CommandLine:
     _setting_flags(run)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
-    etcd = command(
+
+def _add_etcd(commands: _Subcommands) -> None:
+    """``etcd``: a development etcd."""
+    etcd = commands.add(
         "etcd", "run a single-node etcd for development",
         "Run one etcd member on 127.0.0.1 until Ctrl-C or SIGTERM, keeping its data in "
         "--data-dir. For development and small single-host setups; a production job wants a "
@@ -148,35 +167,41 @@ def build_command_line() -> CommandLine:
     etcd.add_argument("--data-dir", required=True, help="where etcd keeps its data (kept)")
     etcd.add_argument("--port", type=int, default=2379, help="client port (default 2379)")
 
-    status = _job_flags(command(
+
+def _add_job_readers(commands: _Subcommands) -> None:
+    """``status``, ``events``: what a job is doing and did, printed."""
+    status = _job_flags(commands.add(
         "status", "show a job's generation, members and progress",
         "Print the job's current generation, its members (rank, host, when last seen), "
         "its progress, newest snapshot and, once over, its outcome. --json prints the same "
         "as one document (fields in docs/cli.md)."))
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    events = _job_flags(command(
+    events = _job_flags(commands.add(
         "events", "show a job's event log",
         "Joins, leaves, expiries, drains, blacklisting, and every generation "
         "formed with its cause and timing breakdown."))
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    setp = _job_flags(command(
+
+def _add_job_controls(commands: _Subcommands) -> None:
+    """``set``, ``pause``, ``resume``, ``drain``: what an operator changes in a running job."""
+    setp = _job_flags(commands.add(
         "set", "change settings of a running job",
         "Change settings of a running job, e.g. min_np=3 max_np=8. Peers pick "
         "them up at their next step; no restart."))
     setp.add_argument("assignments", nargs="+", metavar="NAME=VALUE")
-    _job_flags(command(
+    _job_flags(commands.add(
         "pause", "freeze the roster: joiners wait as standbys",
         "Freeze the job's roster: peers that join wait as standbys until resume; peers that "
         "leave or die are still handled (the same as set paused=true)."))
-    _job_flags(command(
+    _job_flags(commands.add(
         "resume", "let joiners in again",
         "Undo pause: standbys that waited join at the next generation (the same as set "
         "paused=false)."))
 
-    drain = _job_flags(command(
+    drain = _job_flags(commands.add(
         "drain", "ask one peer (or, with --all, every peer) to leave gracefully",
         "Ask one peer to leave gracefully; with --all, stop the whole job "
         "gracefully: every peer leaves, rank 0 writes a final durable snapshot (with a "
@@ -184,13 +209,16 @@ def build_command_line() -> CommandLine:
     drain.add_argument("member_id", nargs="?", help="the member to drain (see status)")
     drain.add_argument("--all", action="store_true", help="every member: stop the job")
 
-    snaps = _job_flags(command(
+
+def _add_job_views(commands: _Subcommands) -> None:
+    """``snapshots``, ``dashboard``, ``report``: what a job recorded, listed or drawn."""
+    snaps = _job_flags(commands.add(
         "snapshots", "list a job's durable snapshots (from their etcd records)",
         "List the durable snapshots the job recorded in etcd, oldest first: time, commit, "
         "epoch, size, and the host and path that hold it."))
     snaps.add_argument("--json", action="store_true", help="machine-readable output")
 
-    dash = _job_flags(command(
+    dash = _job_flags(commands.add(
         "dashboard", "serve a read-only web page of a job",
         "Members, the generation timeline with causes, recovery timings, "
         "progress and settings, updated twice a second. Read-only; no authentication of "
@@ -203,11 +231,10 @@ def build_command_line() -> CommandLine:
                       "machine's); repeatable. Requests for other names get 403")
     dash.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0: any)")
 
-    report = _job_flags(command(
+    report = _job_flags(commands.add(
         "report", "write a timeline of a job (world size, throughput, events)",
         "A self-contained SVG (or an HTML page around it) of the current run: "
         "world size and throughput over time with every event marked. Works during and "
         "after a run, while its keys are in etcd (run_ttl_s after its last peer)."))
     report.add_argument("--out", required=True, type=Path,
                         help="FILE.svg or FILE.html, in a directory that exists")
-    return CommandLine(parser, commands)

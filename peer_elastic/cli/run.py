@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from peer_elastic.cli.parser import chosen_log_level
 from peer_elastic.config import JOB_FIELDS
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.ops.multiplex import Multiplexer, OutputOptions, unknown_role
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process import threads
+from peer_elastic.process.parent_death import die_with_parent
 from peer_elastic.settings_table import ETCD, HOST, JOB, LOCAL_RANK, LOG_LEVEL
 from peer_elastic.straggler.policy import EXIT_STRAGGLER
 
@@ -166,7 +166,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExitCo
     print(f"peer-elastic: job {target.job} on etcd {env[ETCD.env]}{embedded}; see it with: "
           f"peer-elastic status --etcd {env[ETCD.env]} --job {target.job}",
           file=sys.stderr, flush=True)
-    # If this launcher is SIGKILLed, its peers get a signal (peer_elastic.parent_death):
+    # If this launcher is SIGKILLed, its peers get a signal (peer_elastic.process.parent_death):
     # SIGTERM, to leave the job gracefully, as on Ctrl-C. With --standalone the job's etcd
     # ends with the launcher too, so nothing is left to leave (a peer would retry the gone
     # etcd for its whole retry budget): SIGKILL.
@@ -231,7 +231,7 @@ def _run_peers(cmd: list[str], envs: Sequence[Mapping[str, str]], output: Output
                 p.send_signal(signal.SIGTERM)
 
     # The watch starts beside the peers: an etcd slow to answer must not delay them.
-    threading.Thread(target=track, name="rank-tracker", daemon=True).start()
+    threads.start(track, "rank-tracker")
     mux = Multiplexer(label, output, sys.stdout.buffer, sys.stderr.buffer)
     old_int = signal.signal(signal.SIGINT, forward)
     old_term = signal.signal(signal.SIGTERM, forward)

@@ -12,14 +12,14 @@ import threading
 from types import TracebackType
 
 from peer_elastic.cli.exit_codes import ExitCode
-from peer_elastic.signal_relay import SignalRelay
+from peer_elastic.process.signal_relay import SignalRelay
 
 __all__ = ["StopSignals"]
 
 
 class StopSignals:
     """While entered, SIGINT and SIGTERM only set an event (off the handler, through
-    :class:`~peer_elastic.signal_relay.SignalRelay`: a repeated Ctrl-C must not deadlock the
+    :class:`~peer_elastic.process.signal_relay.SignalRelay`: a repeated Ctrl-C must not deadlock the
     server's orderly stop); the first of them decides :attr:`exit_code`."""
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """Durable snapshots: the committed state on disk, so a job survives losing every peer.
 
-In-memory commits (``peer_elastic.state``) survive the loss of some peers; these survive
+In-memory commits (``peer_elastic.state.states``) survive the loss of some peers; these survive
 the loss of all of them. One module per job:
 
 * :mod:`.layout` (no torch): where snapshots live (``<snapshot_dir>/<job>/snap-...``), the

@@ -6,7 +6,7 @@ Layout, one directory per job so that jobs sharing a ``snapshot_dir`` never mix:
 
     <snapshot_dir>/<job>/snap-<lineage:020d>-<commits:012d>-<generation:010d>-<step:010d>-<unix_ns:020d>/
         .metadata, __0_0.distcp     torch.distributed.checkpoint files (the tensors)
-        plain.json                  tagged JSON (peer_elastic.codec): values, structure
+        plain.json                  tagged JSON (peer_elastic.state.codec): values, structure
         manifest.json               written last: every file's size and sha256
     <snapshot_dir>/<job>/.tmp-snap-...   a snapshot being written
     <snapshot_dir>/<job>/.tmp-snap-...-shared   a sharded snapshot being written by every rank
@@ -18,7 +18,7 @@ its manifest (itself written to a temporary name and renamed). So a directory wi
 manifest is torn (the writer died), and one whose files do not match their manifest is
 corrupt: both are skipped when resuming.
 
-A name is the :class:`~peer_elastic.agreement.StateVersion` of the state it holds (lineage,
+A name is the :class:`~peer_elastic.state.agreement.StateVersion` of the state it holds (lineage,
 commits, generation, step), then the time it was written. Ids order by version, so the
 newest snapshot is the newest state: the newest lineage (the job's latest start or resume)
 first, then the most commits in it, then the latest generation and step (a final snapshot
@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer_elastic.agreement import StateVersion
 from peer_elastic.records import valid_name
+from peer_elastic.state.agreement import StateVersion
 
 __all__ = [
     "FORMAT",

@@ -22,7 +22,7 @@ call of the same state agreement, so every rank takes the same path:
    their manifest is set aside (renamed), never to be chosen or kept again.
 5. The loader is the sync source of the ordinary state sync, which hands the state to the
    others (any world size: the state is replicated, the sampler re-partitions). The resumed
-   state starts a new lineage (:mod:`peer_elastic.agreement`).
+   state starts a new lineage (:mod:`peer_elastic.state.agreement`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer_elastic import threads
-from peer_elastic.agreement import Agreement, Claim, StateVersion, new_lineage
-from peer_elastic.codec import decode_values
 from peer_elastic.durable.layout import PLAIN, CorruptSnapshot, Manifest, SnapshotDir, SnapshotId
+from peer_elastic.process import threads
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion, new_lineage
+from peer_elastic.state.codec import decode_values
 
 __all__ = ["ROUND_S", "load_snapshot", "resume"]
 

@@ -1,8 +1,10 @@
 """Durable snapshots as one peer uses them: the writer, the resume hook, the etcd records.
 
-:class:`~peer_elastic.elastic.Peer` owns one :class:`DurableSnapshots` when the job has a
-``snapshot_dir``: it calls :meth:`~DurableSnapshots.after_commit` after each commit on rank 0
-and hands :meth:`~DurableSnapshots.resumer` to the state agreement.
+A peer's state keeping (:class:`peer_elastic.state_keeping.StateKeeping`) owns one
+:class:`DurableSnapshots` when the job has a ``snapshot_dir``: it calls
+:meth:`~DurableSnapshots.after_commit` after each commit on rank 0 and hands
+:meth:`~DurableSnapshots.resumer` to the state agreement. What the service reports goes to
+the peer's counters (:class:`Counters`) and to etcd's snapshot records.
 """
 
 from __future__ import annotations
@@ -12,21 +14,20 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion
 from peer_elastic.durable.layout import SnapshotDir
 from peer_elastic.durable.resume import resume
 from peer_elastic.durable.writer import SnapshotInfo, SnapshotWriter, Written
 from peer_elastic.errors import PeerElasticError
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.snapshot_records import forget_snapshots, record_snapshot
-from peer_elastic.observer import PeerStats
 from peer_elastic.records import JobConfig, SnapshotRecord
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion
 
-__all__ = ["DurableSnapshots"]
+__all__ = ["Counters", "DurableSnapshots"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,17 @@ DEFAULT_EVERY_S = 300.0
 DEFAULT_KEEP = 3
 
 
+class Counters(Protocol):
+    """Where the writer thread counts snapshots written, failed and skipped (the peer's
+    :class:`~peer_elastic.observer.PeerStats`)."""
+
+    def count(self, name: str) -> None: ...
+
+
 class _Listener:
     """The writer thread's reports: counters, and the etcd records (never raises)."""
 
-    def __init__(self, client: EtcdClient | None, job: str, stats: PeerStats) -> None:
+    def __init__(self, client: EtcdClient | None, job: str, stats: Counters) -> None:
         self._client, self._job, self._stats = client, job, stats
         self._host = socket.gethostname()
 
@@ -66,7 +74,7 @@ class _Listener:
 class DurableSnapshots:
     """The durable snapshots of one peer's job (see :mod:`peer_elastic.durable`)."""
 
-    def __init__(self, config: JobConfig, job: str, stats: PeerStats,
+    def __init__(self, config: JobConfig, job: str, stats: Counters,
                  client: EtcdClient | None = None,
                  hang_exempt: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self.directory = SnapshotDir(config.snapshot_dir, job)
@@ -81,7 +89,7 @@ class DurableSnapshots:
                                      hang_exempt=hang_exempt)
 
     @classmethod
-    def for_job(cls, config: JobConfig | None, job: str, stats: PeerStats,
+    def for_job(cls, config: JobConfig | None, job: str, stats: Counters,
                 client: EtcdClient | None = None,
                 hang_exempt: Callable[[], AbstractContextManager[None]] | None = None,
                 ) -> DurableSnapshots | None:

@@ -21,7 +21,7 @@ on every rank whatever fails, so a failure never leaves the group out of step:
    so the others learn to skip rather than wait for it);
 2. ``dcp.save`` into a temporary directory all ranks name alike (DCP gathers every rank's
    errors and raises them on every rank, so its own collectives stay matched too);
-3. rank 0 writes the plain part (tagged JSON, :mod:`peer_elastic.codec`) next to DCP's
+3. rank 0 writes the plain part (tagged JSON, :mod:`peer_elastic.state.codec`) next to DCP's
    files;
 4. an all-reduce of "everything I wrote is on disk": only when every rank says so does
    rank 0 rename the directory into place, give it its manifest, and prune. Until then
@@ -68,8 +68,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from peer_elastic import threads
-from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.durable.layout import (
     PLAIN,
     CorruptSnapshot,
@@ -80,6 +78,8 @@ from peer_elastic.durable.layout import (
     write_atomic,
 )
 from peer_elastic.durable.writer import SnapshotListener, Staging, Written
+from peer_elastic.process import threads
+from peer_elastic.state.codec import decode_values, encode_values
 
 __all__ = [
     "ShardedLoadError", "ShardedSnapshotWriter", "all_ranks_idle", "check_sharded", "load_checked",

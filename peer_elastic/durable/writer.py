@@ -5,7 +5,7 @@ staging buffers (allocated once, refilled with ``copy_``) and the encoding of it
 values. Everything else (``torch.distributed.checkpoint`` files, checksums, the rename,
 retention, the etcd record) happens on one writer thread.
 
-Why the writer never races the next commit: the commit buffers of ``peer_elastic.state``
+Why the writer never races the next commit: the commit buffers of ``peer_elastic.state.states``
 are reused with ``copy_``, so the writer does not read them at all; it reads only its own
 staging buffers, and the training thread refills those only while no write is in flight.
 A commit that falls due during a write is skipped (counted) and the next commit after the
@@ -43,11 +43,11 @@ from typing import Any, Protocol
 
 import torch
 
-from peer_elastic import threads
-from peer_elastic.agreement import StateVersion
-from peer_elastic.codec import encode_values
 from peer_elastic.durable.layout import PLAIN, Manifest, SnapshotDir, SnapshotId, write_atomic
-from peer_elastic.torch.snapshots import copy_all
+from peer_elastic.process import threads
+from peer_elastic.state.agreement import StateVersion
+from peer_elastic.state.codec import encode_values
+from peer_elastic.torch.transport.snapshots import copy_all
 
 __all__ = ["SnapshotInfo", "SnapshotListener", "SnapshotWriter", "Staging", "Written"]
 
@@ -71,7 +71,7 @@ class SnapshotInfo:
     run_id: str
     generation: int
     world_size: int
-    # The version of the state (peer_elastic.agreement): the snapshot's name, which orders
+    # The version of the state (peer_elastic.state.agreement): the snapshot's name, which orders
     # it among the others. None: the commit count alone (a snapshot of lineage 0).
     version: StateVersion | None = None
 

@@ -7,19 +7,18 @@ Wraps the ``etcd3`` module from the ``cslab-etcd3`` distribution and builds what
   single server would stay unusable for five minutes);
 * transient failures (endpoint down, leader election, "no server available") are retried with
   bounded exponential backoff, and when the budget runs out the error names the endpoints
-  and how long it tried;
-* raw ``grpc.RpcError`` objects are mapped onto :mod:`peer_elastic.errors` types;
+  and how long it tried; raw ``grpc.RpcError`` objects are mapped onto
+  :mod:`peer_elastic.errors` types (both in :mod:`~peer_elastic.etcd.calls`);
 * user/password auth works on a plaintext channel (the token travels as metadata, the way
   etcd's own clients do it) and an expired token is renewed transparently.
 
-Nothing above this module imports ``etcd3`` or ``grpc``.
+Nothing above this module (and :mod:`~peer_elastic.etcd.calls`) imports ``etcd3`` or ``grpc``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,29 +27,33 @@ from typing import Any, TypeVar
 import etcd3
 import etcd3.exceptions as etcd_exc
 import grpc
-import tenacity
 from etcd3 import etcdrpc
 
-from peer_elastic import settings_table, threads
+from peer_elastic import settings_table
 from peer_elastic.errors import (
     ClientClosed,
     ConfigError,
     EtcdAuthError,
     EtcdError,
     EtcdRequestTooLarge,
-    EtcdTLSError,
     EtcdUnavailable,
     LeaseNotFound,
-    RevisionCompacted,
+)
+from peer_elastic.etcd.calls import (
+    DisruptionClock,
+    FaultInjection,
+    RetriedCalls,
+    is_transient,
+    map_error,
+    rpc_details,
 )
 from peer_elastic.etcd.tls import (
     CA_VAR,
     CERT_VAR,
     KEY_VAR,
     TLSConfig,
-    certificate_problem,
-    connection_hint,
 )
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 
@@ -202,121 +205,14 @@ class Txn:
         return etcd3.transactions.Get(key)
 
 
-# --- error mapping ---------------------------------------------------------------------------------
-
-#: How long a TLS handshake refused over certificates is retried (failover to the other
-#: endpoints takes well under this) before the call fails with :class:`EtcdTLSError`.
-TLS_RETRY_S = 2.0
-
 #: How long :meth:`EtcdClient.close` waits for the threads of its watch streams to end.
 CLOSE_WAIT_S = 5.0
 #: What etcd3 (cslab-etcd3 0.12.1) names the thread of a ``Watcher``, with ``id(watcher)``;
 #: tests/test_exit.py checks that a client still finds its watch thread by it.
 _WATCH_THREAD_NAME = "etcd3_watch_%x"
 
-_TRANSIENT_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ABORTED,
-}
-_TRANSIENT_CLIENT_ERRORS = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.NoServerAvailableError,
-    etcd_exc.InternalServerError,
-    etcd_exc.WatchTimedOut,
-)
-
-
-def _rpc_details(exc: BaseException) -> str:
-    try:
-        return str(exc.details())  # type: ignore[attr-defined]
-    except Exception:
-        return str(exc)
-
-
-def _root_details(exc: BaseException) -> str:
-    """What went wrong, from the gRPC error behind ``exc`` where there is one: the etcd3
-    client wraps a failed connection in a bare ``ConnectionFailedError`` whose own text says
-    nothing (the cause says "Connection refused", or why a TLS handshake failed)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, grpc.RpcError):
-            return _rpc_details(cur)
-        cur = cur.__cause__ or cur.__context__
-    return str(exc) or type(exc).__name__
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for failures that another attempt, perhaps on another endpoint, may not see."""
-    if isinstance(exc, _TRANSIENT_CLIENT_ERRORS):
-        return True
-    if isinstance(exc, ValueError) and "failed node" in str(exc):
-        return True  # etcd3 refuses an endpoint it marked failed; time_retry is short
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        if code in _TRANSIENT_CODES:
-            return True
-        details = _rpc_details(exc)
-        # etcd answers these during elections and overload; a retry succeeds.
-        return any(s in details for s in ("leader changed", "no leader", "too many requests",
-                                          "timed out"))
-    return False
-
-
-def _is_token_expired(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and "invalid auth token" in _rpc_details(exc)
-
-
-def map_error(exc: BaseException, what: str) -> Exception:
-    """Turn a client or gRPC error into a peer-elastic error that says what failed."""
-    if isinstance(exc, EtcdError):
-        return exc
-    if isinstance(exc, etcd_exc.RevisionCompactedError):
-        return RevisionCompacted(exc.compacted_revision)
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        details = _rpc_details(exc)
-        if "lease not found" in details:
-            return LeaseNotFound(f"{what}: {details}")
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
-            code == grpc.StatusCode.INVALID_ARGUMENT
-            and any(s in details for s in ("user name", "authentication", "auth", "permission"))
-        ):
-            return EtcdAuthError(f"{what}: etcd refused the credentials: {details}")
-        if "Received message larger than max" in details:
-            return EtcdRequestTooLarge(
-                f"{what}: etcd's answer is larger than the client accepts ({details})")
-        if "too large" in details or "larger than max" in details:
-            return EtcdRequestTooLarge(f"{what}: request too large for etcd ({details})")
-        if "space exceeded" in details:
-            return EtcdError(
-                f"{what}: etcd is out of space ({details}); compact and defragment it, or "
-                "raise --quota-backend-bytes"
-            )
-        return EtcdError(f"{what}: {code.name if code else 'error'}: {details}")
-    return EtcdError(f"{what}: {type(exc).__name__}: {exc}")
-
 
 # --- the client ------------------------------------------------------------------------------------
-
-
-@dataclass
-class FaultInjection:
-    """Test hook of :class:`EtcdClient` (``client.faults = FaultInjection(...)``).
-
-    ``before(what)`` runs before every attempt of a request (``what`` names it, e.g.
-    ``"transaction on /peer-elastic/job/run"``); it may block or raise. ``lose_response(what)``
-    runs after an attempt that etcd answered: when it returns True the answer is dropped and
-    the attempt fails with a transient error, exactly as when a connection breaks after etcd
-    applied a write (an *ambiguous* failure). The client then retries as it always does,
-    which is what makes non-idempotent writes dangerous and what the tests provoke.
-    """
-
-    before: Callable[[str], None] | None = None
-    lose_response: Callable[[str], bool] | None = None
 
 # gRPC backs off reconnecting exponentially (1 s, 1.6 s, 2.6 s, ... up to 2 min). After an etcd
 # restart that can delay the first keep-alive past a short lease TTL, although etcd itself
@@ -328,6 +224,65 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+
+
+def _open_channels(endpoints: Sequence[EndpointSpec], tls: TLSConfig | None, timeout_s: float,
+                   endpoint_retry_s: float) -> etcd3.MultiEndpointEtcd3Client:
+    """etcd3's client over ``endpoints``, failing over between them; TLS with ``tls``'s
+    files, or when an endpoint says https (the caller checked that ``tls`` is then given)."""
+    secure = tls is not None or any(e.secure for e in endpoints)
+    creds = None
+    if tls is not None:
+        files = tls.load()  # checked here: gRPC aborts the process on a cert without key
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=files.ca_cert, private_key=files.key,
+            certificate_chain=files.cert)
+    eps = [
+        etcd3.Endpoint(e.bracketed_host, e.port, secure=secure, creds=creds,
+                       time_retry=endpoint_retry_s, opts=_CHANNEL_OPTIONS)
+        for e in endpoints
+    ]
+    # Auth is done by hand (_PasswordAuth), so the client never attaches call
+    # credentials to a plaintext channel (gRPC refuses that).
+    return etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+
+
+class _WatchThreads:
+    """The threads etcd3 runs one client's watch streams on (named after its ``Watcher``; a
+    failover makes a new one), remembered so that closing the client can wait for them."""
+
+    def __init__(self) -> None:
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def note(self, watcher: Any) -> None:
+        """Remember the thread of ``watcher``'s stream, which just started."""
+        name = _WATCH_THREAD_NAME % id(watcher)
+        with self._lock:
+            self._threads.update(t for t in threading.enumerate() if t.name == name)
+
+    def alive(self) -> list[threading.Thread]:
+        with self._lock:
+            return [t for t in self._threads if t.is_alive()]
+
+
+class _PasswordAuth:
+    """etcd user/password auth done by hand: the token travels as plain metadata on every
+    call, watches included, and is asked for again when it expires."""
+
+    def __init__(self, user: str, password: str) -> None:
+        self._user, self._password = user, password
+        self._lock = threading.Lock()
+
+    def authenticate(self, raw: etcd3.MultiEndpointEtcd3Client, timeout_s: float) -> None:
+        with self._lock:
+            req = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
+            resp = raw.authstub.Authenticate(req, timeout_s)
+            # Token as plain metadata on every call, watches included.
+            raw.metadata = (("token", resp.token),)
+            raw.call_credentials = None
+            # Watchers capture metadata when built; drop them so new ones see the token.
+            raw._clear_old_stubs()
 
 
 class EtcdClient:
@@ -353,40 +308,21 @@ class EtcdClient:
         self.retry_budget_s = retry_budget_s
         if (user is None) != (password is None):
             raise EtcdAuthError("etcd auth needs both a user and a password")
-        self._user, self._password = user, password
         secure = tls is not None or any(e.secure for e in self.endpoints)
         if secure and tls is None:
             raise EtcdError(
                 f"an https:// etcd endpoint needs a CA certificate (set {CA_VAR})"
             )
-        creds = None
-        if tls is not None:
-            files = tls.load()  # checked here: gRPC aborts the process on a cert without key
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=files.ca_cert, private_key=files.key,
-                certificate_chain=files.cert)
-        self._secure = secure
         if user is not None and not secure:
             _warn_plaintext_password(self.describe())
-        eps = [
-            etcd3.Endpoint(e.bracketed_host, e.port, secure=secure, creds=creds,
-                           time_retry=endpoint_retry_s, opts=_CHANNEL_OPTIONS)
-            for e in self.endpoints
-        ]
-        # Auth is done by hand below, so the client never attaches call credentials to a
-        # plaintext channel (gRPC refuses that).
-        self._raw = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-        self._auth_lock = threading.Lock()
+        self._raw = _open_channels(self.endpoints, tls, timeout_s, endpoint_retry_s)
         self._closed = False
-        self._watch_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-        self._watch_threads_lock = threading.Lock()
-        #: time.monotonic() of the last sign of etcd trouble: a transient failure of one of
-        #: our requests, or a new raft term (a leader election) in a response header. While
-        #: etcd is disrupted, other members' requests may stall for a full timeout.
-        self.disrupted_at = 0.0
-        self._raft_term = 0
-        self.faults: FaultInjection | None = None  # tests only; see FaultInjection
-        if user is not None:
+        self._watch_threads = _WatchThreads()
+        self._disruptions = DisruptionClock()
+        self._auth = None if user is None else _PasswordAuth(user, password or "")
+        self._calls = RetriedCalls(self.describe, secure, self._disruptions.transient_failure,
+                                   self._authenticate if self._auth is not None else None)
+        if self._auth is not None:
             self._call(self._authenticate, "authenticate")
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -395,92 +331,35 @@ class EtcdClient:
         return ",".join(str(e) for e in self.endpoints)
 
     def _authenticate(self) -> None:
-        with self._auth_lock:
-            req = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
-            resp = self._raw.authstub.Authenticate(req, self.timeout_s)
-            # Token as plain metadata on every call, watches included.
-            self._raw.metadata = (("token", resp.token),)
-            self._raw.call_credentials = None
-            # Watchers capture metadata when built; drop them so new ones see the token.
-            self._raw._clear_old_stubs()
+        assert self._auth is not None
+        self._auth.authenticate(self._raw, self.timeout_s)
 
-    def note_header(self, header: Any) -> None:
-        """Track the raft term of responses: a change means etcd elected a new leader."""
-        term = getattr(header, "raft_term", 0)
-        if term and term != self._raft_term:
-            if self._raft_term:
-                self.disrupted_at = time.monotonic()
-            self._raft_term = term
+    @property
+    def disrupted_at(self) -> float:
+        """When etcd was last seen disrupted (see :class:`DisruptionClock`); 0: never."""
+        return self._disruptions.at
+
+    @property
+    def faults(self) -> FaultInjection | None:
+        """Tests only: faults injected into every request (see :class:`FaultInjection`)."""
+        return self._calls.faults
+
+    @faults.setter
+    def faults(self, faults: FaultInjection | None) -> None:
+        self._calls.faults = faults
 
     def _call(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors; map every failure to our types."""
         if self._closed:  # the closed channel would fail it anyway, in etcd3's threads too
             raise ClientClosed(f"{what}: the etcd client was closed")
-        budget = self.retry_budget_s if budget_s is None else budget_s
-        started = time.monotonic()
-        last: list[BaseException] = []
-
-        def attempt() -> T:
-            try:
-                faults = self.faults
-                if faults is not None and faults.before is not None:
-                    faults.before(what)
-                result = fn()
-                if faults is not None and faults.lose_response is not None \
-                        and faults.lose_response(what):
-                    raise etcd_exc.ConnectionTimeoutError(f"injected: the answer to {what} was lost")
-                return result
-            except BaseException as exc:
-                last[:] = [exc]
-                if is_transient(exc):
-                    self.disrupted_at = time.monotonic()
-                if _is_token_expired(exc) and self._user is not None:
-                    self._authenticate()
-                    raise _Retry() from exc
-                raise
-
-        def retryable(exc: BaseException) -> bool:
-            if isinstance(exc, _Retry):
-                return True
-            if not is_transient(exc):
-                return False
-            # A certificate verdict repeats on every attempt: retry only long enough for
-            # failover to reach the other endpoints (one of them may hold a good certificate).
-            return (certificate_problem(_root_details(exc)) is None
-                    or time.monotonic() - started < min(budget, TLS_RETRY_S))
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(budget),
-            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0) + tenacity.wait_random(0, 0.05),
-            retry=tenacity.retry_if_exception(retryable),
-            reraise=True,
-        )
-        try:
-            return retrying(attempt)
-        except _Retry:
-            raise EtcdAuthError(f"{what}: could not renew the etcd auth token") from None
-        except BaseException as exc:
-            if is_transient(exc):
-                detail = _root_details(last[0] if last else exc)
-                problem = certificate_problem(detail)
-                if problem is not None:
-                    raise EtcdTLSError(
-                        f"{what}: TLS handshake with etcd ({self.describe()}) failed: "
-                        f"{problem} (gRPC: {detail})") from None
-                waited = time.monotonic() - started
-                raise EtcdUnavailable(
-                    f"{what}: no etcd endpoint answered ({self.describe()}) "
-                    f"within {waited:.1f} s; last error: {detail}"
-                    f"{connection_hint(detail, self._secure)}"
-                ) from None
-            raise map_error(exc, what) from None
+        return self._calls.run(fn, what, self.retry_budget_s if budget_s is None else budget_s)
 
     # -- key-value --------------------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:
         def do() -> KeyValue | None:
             resp = self._raw.get_response(key)
-            self.note_header(resp.header)
+            self._disruptions.note_header(resp.header)
             return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
 
         return self._call(do, f"get {key}")
@@ -490,7 +369,7 @@ class EtcdClient:
         :class:`RevisionCompacted`)."""
         def do() -> KeyValue | None:
             resp = self._raw.get_range_response(key, None, revision=revision)
-            self.note_header(resp.header)
+            self._disruptions.note_header(resp.header)
             return KeyValue.from_pb(resp.kvs[0]) if resp.kvs else None
 
         return self._call(do, f"get {key} at revision {revision}")
@@ -520,7 +399,7 @@ class EtcdClient:
                             raise
                         limit = max(1, limit // 2)
                         continue
-                    self.note_header(resp.header)
+                    self._disruptions.note_header(resp.header)
                     if revision is None:
                         revision = resp.header.revision
                     out += [KeyValue.from_pb(kv) for kv in resp.kvs]
@@ -539,7 +418,7 @@ class EtcdClient:
 
         def do() -> list[str]:
             resp = self._raw.get_prefix_response(prefix, limit=limit, keys_only=True)
-            self.note_header(resp.header)
+            self._disruptions.note_header(resp.header)
             return [kv.key.decode("utf-8", "replace") for kv in resp.kvs]
 
         return self._call(do, f"list keys {prefix}")
@@ -549,7 +428,7 @@ class EtcdClient:
 
         def do() -> int:
             resp = self._raw.get_prefix_response(prefix, count_only=True)
-            self.note_header(resp.header)
+            self._disruptions.note_header(resp.header)
             return int(resp.count)
 
         return self._call(do, f"count keys {prefix}")
@@ -559,7 +438,7 @@ class EtcdClient:
 
         def do() -> int:
             header = self._raw.put(key, value, lease=lease).header
-            self.note_header(header)
+            self._disruptions.note_header(header)
             return header.revision
 
         return self._call(do, f"put {key}")
@@ -643,7 +522,7 @@ class EtcdClient:
             responses = list(self._raw.refresh_lease(lease_id))
             if not responses:
                 raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
-            self.note_header(responses[-1].header)
+            self._disruptions.note_header(responses[-1].header)
             return responses[-1].TTL
 
         what = f"keep lease {lease_id:x} alive"
@@ -683,7 +562,7 @@ class EtcdClient:
             # request iterator is finite, so etcd ends the stream right after the last
             # answer, and by then gRPC's thread sending the requests has finished. A
             # cancelled stream leaves that thread winding down, maybe into the process's
-            # exit (peer_elastic.threads says why that must not happen).
+            # exit (peer_elastic.process.threads says why that must not happen).
             header = None
             try:
                 for resp in stream:
@@ -696,7 +575,7 @@ class EtcdClient:
             if not out:
                 raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
             if header is not None:
-                self.note_header(header)
+                self._disruptions.note_header(header)
             return out
 
         if not ids:
@@ -750,12 +629,12 @@ class EtcdClient:
                 if resp is None:
                     err: Exception = EtcdUnavailable(f"watch {prefix}: stream closed")
                 elif is_transient(resp):
-                    err = EtcdUnavailable(f"watch {prefix}: stream lost: {_rpc_details(resp)}")
+                    err = EtcdUnavailable(f"watch {prefix}: stream lost: {rpc_details(resp)}")
                 else:
                     err = map_error(resp, f"watch {prefix}")
                 on_error(err)
                 return
-            self.note_header(resp.header)
+            self._disruptions.note_header(resp.header)
             events = []
             for ev in resp.events:
                 kind = "put" if isinstance(ev, etcd3.events.PutEvent) else "delete"
@@ -766,23 +645,15 @@ class EtcdClient:
             watch_id = self._raw.add_watch_prefix_callback(
                 prefix, callback, start_revision=start_revision, progress_notify=True
             )
-            self._note_watch_thread()
+            self._watch_threads.note(self._raw.watcher)
             return watch_id
 
         return self._call(do, f"watch {prefix}", budget_s=self.timeout_s * 2)
 
-    def _note_watch_thread(self) -> None:
-        """Remember the thread etcd3 runs this client's watch stream on (named after its
-        ``Watcher``; a failover makes a new one), so that :meth:`close` can wait for it."""
-        name = _WATCH_THREAD_NAME % id(self._raw.watcher)
-        with self._watch_threads_lock:
-            self._watch_threads.update(t for t in threading.enumerate() if t.name == name)
-
     @property
     def watch_threads(self) -> list[threading.Thread]:
         """The threads that ran this client's watch streams and still run."""
-        with self._watch_threads_lock:
-            return [t for t in self._watch_threads if t.is_alive()]
+        return self._watch_threads.alive()
 
     def cancel_watch(self, watch_id: int) -> None:
         try:
@@ -795,7 +666,7 @@ class EtcdClient:
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Close the connections; wait at most ``wait_s`` for the threads of the watch
         streams to end (closing cancels their streams), so that none is still running
-        when the process exits (peer_elastic.threads says why that matters)."""
+        when the process exits (peer_elastic.process.threads says why that matters)."""
         if self._closed:
             return
         self._closed = True
@@ -830,10 +701,6 @@ def _warn_plaintext_password(endpoints: str) -> None:
         "network unencrypted, so anyone who can see the traffic can act as this etcd user. "
         "Use TLS: set %s (the CA of etcd's server certificate) so every endpoint is https; "
         "see docs/security.md", endpoints, CA_VAR)
-
-
-class _Retry(Exception):
-    """Internal: the auth token was renewed, try the call again."""
 
 
 def client_from_env(endpoints: str | None = None, **kwargs: Any) -> EtcdClient:

@@ -14,8 +14,7 @@ runs one coordination thread that reacts to every change of the watched
 * when its own lease is lost it ends that registration at once (:attr:`incarnation`
   changes, so the training side stops using the groups formed under it) and registers again
   as a new member (a joiner) once the training thread has left those groups
-  (:meth:`hold_rejoin`): listed earlier, it would make the others wait in their next
-  rendezvous for a thread still stuck in an old collective.
+  (:meth:`hold_rejoin`; :mod:`~peer_elastic.etcd.rejoin`).
 
 Its :class:`~peer_elastic.etcd.deaths.DeathProber` probes the members whose missing acks
 stand between this peer and writing (or, for the writer, all of them), so a crashed member
@@ -35,26 +34,24 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.config import JobSettings
-from peer_elastic.errors import (
-    ConfigError,
-    EtcdError,
-    LeaseLost,
-    LeaveRequested,
-    PeerElasticError,
-)
+from peer_elastic.errors import EtcdError, PeerElasticError
 from peer_elastic.etcd.admin import drain
 from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.deaths import DeathProber
-from peer_elastic.etcd.done import FINISH_TIMEOUT_S, done_error
+from peer_elastic.etcd.done import FINISH_TIMEOUT_S
 from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.leader import Leader
 from peer_elastic.etcd.lease import Lane, LeaseKeeper, Session
-from peer_elastic.etcd.registration import Identity, default_host, register
-from peer_elastic.etcd.stop import LEAVE_JOB, StopCause, stop_reason
+from peer_elastic.etcd.owed_acks import OwedAcks
+from peer_elastic.etcd.registration import Identity, register
+from peer_elastic.etcd.rejoin import Listing, Rejoin
+from peer_elastic.etcd.reports import MemberReports
+from peer_elastic.etcd.stop import participation_end
 from peer_elastic.etcd.view import JobView, ViewSnapshot, WakeOn
 from peer_elastic.etcd.writer import AckKind, RunWriter
+from peer_elastic.process import threads
 from peer_elastic.records import (
     DoneCause,
     GenerationCause,
@@ -62,7 +59,6 @@ from peer_elastic.records import (
     JobConfig,
     ProgressRecord,
     RunRecord,
-    valid_name,
 )
 
 log = logging.getLogger(__name__)
@@ -81,6 +77,16 @@ class Assignment:
     joined: bool  # admitted in this generation (a newcomer or a returning member)
     reason: str  # for humans
     causes: tuple[GenerationCause, ...] = ()  # why the generation formed, typed
+
+    @classmethod
+    def of(cls, snap: ViewSnapshot, member_id: str) -> Assignment | None:
+        """``member_id``'s place in ``snap``'s generation, or None (a standby, or no
+        generation yet)."""
+        gen = snap.generation
+        if gen is None or member_id not in snap.roster_ids():
+            return None
+        return cls(gen.number, list(gen.roster).index(member_id), len(gen.roster),
+                   tuple(gen.roster), member_id in gen.joined, gen.reason, tuple(gen.causes))
 
 
 class _Closed(PeerElasticError):
@@ -111,18 +117,13 @@ class Coordinator:
         self.settings = settings or JobSettings()
         self.config: JobConfig = self.settings.resolved()  # validates before touching etcd
         self._config_source: JobConfig | None = None  # the run record's, self.config is from
-        self.host = host or default_host()
-        if not valid_name(self.host):
-            raise ConfigError(f"invalid host name {self.host!r} for a member id")
-        self.address = address
+        self.identity = Identity.of_this_process(host, address, local_rank, labels,
+                                                 net_address, probe_port)
+        self.host = self.identity.host
         self.local_rank = local_rank
-        self.labels = dict(labels or {})
-        self.identity = Identity(self.host, address, local_rank, self.labels, net_address,
-                                 probe_port)
         self.view = view or JobView(client, job)
         self._own_keeper = keeper is None
         self._keeper = keeper
-        self.auto_rejoin = auto_rejoin
 
         self.run: RunRecord | None = None
         self.keys: RunKeys | None = None
@@ -131,22 +132,20 @@ class Coordinator:
         # Bumped when this peer registers first and each time it loses its registration: a
         # group formed under another incarnation belongs to a lost registration.
         self.incarnation = 0
-        self._rejoin_gate: Callable[[], bool] | None = None  # see hold_rejoin
         self._session: Session | None = None
         self._lock = threading.Lock()  # guards _session / member_id / error across threads
-        self._acked: set[int] = set()
-        self._alive_acked: set[int] = set()
-        self._seen_incarnation = -1  # last incarnation our own view has listed
-        self._lost_lease = threading.Event()
+        self._acks = OwedAcks()
         self.drain_requested = threading.Event()
         self.error: PeerElasticError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         # What this coordination thread did (the training side counts in Peer.stats).
-        self.stats = {"generations_written": 0, "cas_lost": 0, "rejoins": 0, "dropped": 0}
-        self.leader = Leader(job, stats=self.stats)  # counts generations_written, cas_lost, dropped
+        self.counters = CoordinatorCounters()
+        self.leader = Leader(job, counters=self.counters)
+        self.rejoin = Rejoin(self.counters, self.view.wake, auto=auto_rejoin)
         self.deaths = DeathProber(on_confirmed=self.view.wake)
+        self.reports = MemberReports(self._current_writer)
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -184,7 +183,8 @@ class Coordinator:
                 self.leader.writer = self.writer
                 self._session = reg.session
                 self.member_id = reg.member_id
-                self._lost_lease.clear()
+                self._acks.forget()
+                self.rejoin.registered()
         if closed:
             reg.session.close(revoke=True)
             raise _Closed(f"job {self.job!r}: closed while registering; registration undone")
@@ -210,28 +210,21 @@ class Coordinator:
         with self._lock:
             if self._session is None or self._session.lease_id != lease_id:
                 return
-            log.warning("member %s lost its lease: %s", self.member_id, why)
-            self._lost_lease.set()
+            self.rejoin.lease_lost(self.member_id, why)
         self.view.wake()
 
     def hold_rejoin(self, until: Callable[[], bool] | None) -> None:
         """After a lost lease, register again only once ``until()`` holds (None: at once).
 
         The training side passes "my training thread has left every group formed under a
-        lost registration". It is asked on the coordination thread, under the view's lock,
-        so it must only read memory; whoever makes it true calls ``view.wake()``.
+        lost registration" (:meth:`Rejoin.hold <peer_elastic.etcd.rejoin.Rejoin.hold>`).
         """
-        self._rejoin_gate = until
-        self.view.wake()
+        self.rejoin.hold(until)
 
-    def _may_register(self) -> bool:
-        gate = self._rejoin_gate
-        return gate is None or gate()
-
-    def _rejoin_due(self) -> bool:
-        """A lost lease the coordination thread has yet to act on: end the registration, or
-        register again now that the gate opened."""
-        return self._lost_lease.is_set() and (self._session is not None or self._may_register())
+    def _current_writer(self) -> tuple[RunWriter | None, int | None]:
+        """This registration's writer and member lease id, read together (None: lost)."""
+        with self._lock:
+            return self.writer, (self._session.lease_id if self._session else None)
 
     def _on_run_lease_lost(self, lease_id: int, why: str) -> None:
         self._fail(PeerElasticError(
@@ -265,26 +258,14 @@ class Coordinator:
 
     def assignment(self, snap: ViewSnapshot | None = None) -> Assignment | None:
         """Our place in the current generation, or None (standby, or no generation yet)."""
-        snap = snap or self.snapshot()
-        gen = snap.generation
-        if gen is None or self.member_id not in snap.roster_ids():
-            return None
-        return Assignment(gen.number, list(gen.roster).index(self.member_id), len(gen.roster),
-                          tuple(gen.roster), self.member_id in gen.joined, gen.reason,
-                          tuple(gen.causes))
+        return Assignment.of(snap or self.snapshot(), self.member_id)
 
     def check(self, snap: ViewSnapshot | None = None) -> None:
         """Raise whatever ends this peer's participation: fatal error, done, a drain that
         took effect (decided by :func:`~peer_elastic.etcd.stop.stop_reason`)."""
-        snap = snap or self.snapshot()
-        reason = stop_reason(self, None, snap, causes=LEAVE_JOB)
-        if reason is None:
-            return
-        if reason.cause is StopCause.FATAL and self.error is not None:
-            raise self.error
-        if reason.cause is StopCause.JOB_DONE and snap.done is not None:
-            raise done_error(self.job, snap.done)
-        raise LeaveRequested(reason.detail)
+        error = participation_end(self, snap or self.snapshot())
+        if error is not None:
+            raise error
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -301,7 +282,7 @@ class Coordinator:
             if snap.version != version:
                 self.check(snap)
                 a = self.assignment(snap)
-                if a is not None and a.generation > after and not self._lost_lease.is_set():
+                if a is not None and a.generation > after and not self.rejoin.pending:
                     return a
                 version = snap.version
             left = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
@@ -333,43 +314,18 @@ class Coordinator:
     # -- actions requested by the training side ---------------------------------------------------
 
     def mark_broken(self, generation: int, detail: str = "") -> bool:
-        """Say that a collective of ``generation`` failed, so the leader proposes the next now.
-
-        Best effort; False when etcd did not take it (unreachable, or our lease is gone).
-        The caller is on its way to re-form either way, and must not die of this: the
-        leader also learns of the failure from the other ranks' marks, or at worst from the
-        missing acks of the peer that failed; a lost lease is handled by rejoining.
-        """
-        return self._best_effort(
-            f"mark generation {generation} broken",
-            lambda w, lease: w.ack(AckKind.BROKEN, generation, lease, detail[:500]))
+        """Say that a collective of ``generation`` failed, so the leader proposes the next
+        now; best effort (:meth:`MemberReports.mark_broken
+        <peer_elastic.etcd.reports.MemberReports.mark_broken>`)."""
+        return self.reports.mark_broken(generation, detail)
 
     def report_unreachable(self, members: Collection[str], generation: int) -> bool:
-        """Record that this member's process groups cannot reach ``members`` (best effort,
-        as :meth:`mark_broken`; :mod:`~peer_elastic.etcd.reach`)."""
-        return self._best_effort(
-            f"report unreachable members {sorted(members)}",
-            lambda w, lease: w.report_unreachable(members, generation, lease))
+        """Record that this member's process groups cannot reach ``members`` (best effort)."""
+        return self.reports.report_unreachable(members, generation)
 
     def clear_unreachable(self) -> bool:
         """Withdraw this member's report: everyone it named answers again (best effort)."""
-        return self._best_effort("withdraw the report of unreachable members",
-                                 lambda w, _lease: w.clear_unreachable())
-
-    def _best_effort(self, what: str, write: Callable[[RunWriter, int], object]) -> bool:
-        """``write`` with this registration's writer and member lease; False (logged) when
-        there is no registration (none yet, or its lease was lost) or etcd did not take it."""
-        with self._lock:
-            writer, session = self.writer, self._session
-        if writer is None or session is None:
-            log.info("could not %s: this peer has no registration now", what)
-            return False
-        try:
-            write(writer, session.lease_id)
-        except EtcdError as exc:
-            log.warning("could not %s: %s", what, exc)
-            return False
-        return True
+        return self.reports.clear_unreachable()
 
     def request_leave(self, requested_by: str = "") -> None:
         """Ask to be drained: the next generation forms without this peer, with no rollback."""
@@ -384,10 +340,8 @@ class Coordinator:
 
     def record_state(self, commits: int, generation: int) -> None:
         """Say in etcd that the run's training state has ``commits`` commits (rank 0 calls
-        this after commits; a group that forms with no holder of the state reads it).
-        Best effort: the next commit's mark says it again."""
-        self._best_effort("record the state's commits",
-                          lambda w, _lease: w.state(commits, generation))
+        this after commits); best effort."""
+        self.reports.record_state(commits, generation)
 
     def finish(self, success: bool = True, reason: str = "",
                timeout_s: float = FINISH_TIMEOUT_S) -> bool:
@@ -419,7 +373,7 @@ class Coordinator:
         with self._lock:
             session = self._session
         if session is not None:
-            if leave and not self._lost_lease.is_set() and self.snapshot().done is None \
+            if leave and not self.rejoin.pending and self.snapshot().done is None \
                     and self.writer is not None:
                 # A deliberate exit is a graceful departure, not a failure: the leader must
                 # not count it towards the blacklist or log it as expired.
@@ -455,7 +409,7 @@ class Coordinator:
             wake_on = WakeOn.ANY_CHANGE if self.leader.writes else WakeOn.FOLLOWER_CHANGE
             versions[wake_on] = self.view.wait_change(
                 versions[wake_on], timeout, until=lambda seen=deaths_seen: self._stop.is_set()
-                or self._rejoin_due()
+                or self.rejoin.due(registered=self._session is not None)
                 or self.deaths.version != seen,  # a death confirmed: decide at once
                 wake_on=wake_on)
             deaths_seen = self.deaths.version
@@ -479,8 +433,9 @@ class Coordinator:
         """React to the current picture once. Returns when to look again, if time matters."""
         if self.error is not None:
             return None
-        if self._lost_lease.is_set():
-            self._rejoin()
+        if self.rejoin.pending:
+            self.rejoin.act(self.member_id, self._session is not None,
+                            self._end_registration, self._register_again)
             return None
         snap = self.snapshot()
         if snap.done is not None:
@@ -490,26 +445,15 @@ class Coordinator:
             if self.run is not None:
                 raise PeerElasticError(f"run {self.run.run_id} of job {self.job!r} disappeared")
             return None
-        if self.member_id in snap.members:
-            self._seen_incarnation = self.incarnation
-        elif self._seen_incarnation == self.incarnation:
-            # Our key is gone (revoked by the leader for silence, or expired): the lease is
-            # as good as lost even if the keeper has not noticed yet.
-            self._lost_lease.set()
+        listing = self.rejoin.observe_listing(self.member_id in snap.members, self.incarnation)
+        if listing is Listing.GONE:  # revoked by the leader for silence, or expired
             return self._step()
-        else:
+        if listing is Listing.NOT_YET:
             return None  # our registration has not reached the view yet
         now = time.monotonic()
         self.leader.observe(snap, now)  # silence clocks start when we see, even if acks fail
-        gen = snap.generation
-        if gen is not None:
-            self._acked &= {gen.number - 1, gen.number}
-            self._alive_acked &= {gen.number - 1, gen.number}
-            listed = self.member_id in snap.roster_ids()
-            if listed and gen.number not in self._acked:
-                self._ack(gen.number)
-            if snap.broken.get(gen.number) and listed and gen.number not in self._alive_acked:
-                self._ack(gen.number, alive=True)  # proof of life after the break
+        for kind in self._acks.owed(snap, self.member_id):
+            self._ack(kind, snap.generation_number)
         if self.member_id in snap.drains:
             self.drain_requested.set()
         if snap.run.config is not self._config_source:  # a new run record: adopt it
@@ -519,36 +463,23 @@ class Coordinator:
         self.deaths.update(snap, self.member_id)
         return self.leader.step(snap, now, self.deaths.confirmed())
 
-    def _ack(self, n: int, alive: bool = False) -> None:
+    def _ack(self, kind: AckKind, n: int) -> None:
         assert self.writer is not None
-        self.writer.ack(AckKind.ALIVE if alive else AckKind.READY, n, self.lease_id)
-        (self._alive_acked if alive else self._acked).add(n)
-
-    def _rejoin(self) -> None:
-        """Act on a lost lease: end the registration (once), then register anew when the
-        gate (:meth:`hold_rejoin`) lets us."""
-        if self._session is not None:
-            self._end_registration()
-        if not self._may_register():
-            return  # woken again by the view when the training side leaves its group
-        old = self.member_id
-        self._register()
-        self.stats["rejoins"] += 1
-        log.warning("member %s re-registered as %s after losing its lease", old, self.member_id)
+        self.writer.ack(kind, n, self.lease_id)
+        self._acks.given(kind, n)
 
     def _end_registration(self) -> None:
+        """Revoke the lost registration's lease (rejoin's first step)."""
         with self._lock:
             session, self._session = self._session, None
             self.incarnation += 1  # the training side stops using the old groups (LEASE_LOST)
         assert session is not None
         session.close(revoke=True)  # the key may still exist if we merely stalled
-        self._acked.clear()
-        self._alive_acked.clear()
-        if not self.auto_rejoin:
-            raise LeaseLost(f"member {self.member_id} lost its lease")
-        if not self._may_register():
-            log.warning("member %s lost its lease; it registers again once its training thread "
-                        "has left the process group it was in", self.member_id)
+
+    def _register_again(self) -> str:
+        """Register as a new member (rejoin's second step); the new member id."""
+        self._register()
+        return self.member_id
 
     def record_event(self, kind: str, detail: str = "", member_id: str | None = None,
                      generation: int | None = None, timings: Mapping[str, float] | None = None,

@@ -1,7 +1,7 @@
 """Confirming a member's death faster than ``join_timeout_s``: a refused probe connection.
 
 Every peer started by ``pe.join()`` listens on its group address (``ProbeListener`` in
-:mod:`peer_elastic.probe_listener`) and publishes the port in its member record. When a process
+:mod:`peer_elastic.process.probe_listener`) and publishes the port in its member record. When a process
 dies its kernel closes that listening socket, and a TCP connection to it is *refused* (a
 reset, at once). That is proof the process is gone; nothing else is:
 
@@ -43,9 +43,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from peer_elastic import threads
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.netaddr import host_port, is_loopback
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import host_port, is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ step safe:
    member go therefore also sees why: the leader names the cause in the next generation's
    reason, and ``ViewSnapshot.eligible`` never lists a fenced member again;
 3. the member lease is revoked, which ends anything else still attached to it (acks), and
-   makes the other peers' :class:`~peer_elastic.torch.abort.HangWatchdog` abandon any
+   makes the other peers' :class:`~peer_elastic.torch.gloo.abort.HangWatchdog` abandon any
    collective stuck on this peer.
 
 The fence record is needed only until the generation that removes the member is written

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from peer_elastic.errors import ElasticTimeout, EtcdRequestTooLarge, PeerElasticError
+from peer_elastic.etcd.counters import CoordinatorCounters
 from peer_elastic.etcd.deaths import Death
 from peer_elastic.etcd.roster import (
     ROSTER_BUDGET_BYTES,
@@ -35,10 +36,11 @@ from peer_elastic.etcd.roster import (
     Wait,
     plan_next_generation,
     roster_bytes,
+    silence_deadline,
     silent_members,
 )
 from peer_elastic.etcd.view import Member, ViewSnapshot
-from peer_elastic.etcd.writer import Written
+from peer_elastic.etcd.writer import EventsPruned, Written
 from peer_elastic.records import DoneCause, JobConfig
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class LeaderWrites(Protocol):
     def event(self, kind: str, detail: str = "", member_id: str | None = None,
               generation: int = 0) -> None: ...
 
-    def prune_events(self, keep: int) -> int: ...
+    def prune_events(self, keep: int) -> EventsPruned: ...
 
     def write_done(self, success: bool, reason: str, cause: int, generation: int,
                    timeout_s: float | None = None) -> bool: ...
@@ -91,24 +93,24 @@ class Leader:
     """The leader decisions of one member of ``job``; see the module docstring.
 
     ``writer`` is replaced when the member re-registers; the rest (silence clocks, the
-    elastic timeout's start, the roster budget) outlives registrations. ``stats`` counts
-    ``generations_written``, ``cas_lost`` and ``dropped``.
+    elastic timeout's start, the roster budget) outlives registrations. ``counters`` (its
+    coordinator's) count ``generations_written``, ``cas_lost`` and ``dropped``.
     """
 
     def __init__(self, job: str, writer: LeaderWrites | None = None,
-                 stats: MutableMapping[str, int] | None = None,
+                 counters: CoordinatorCounters | None = None,
                  wall: Callable[[], float] = time.time) -> None:
         self.job = job
         self.writer = writer
-        self.stats: MutableMapping[str, int] = stats if stats is not None else {}
-        for name in ("generations_written", "cas_lost", "dropped"):
-            self.stats.setdefault(name, 0)
+        self.counters = counters if counters is not None else CoordinatorCounters()
         self.wall = wall
         # Lowered when etcd refuses a generation record as too large (a server started with
         # a --max-request-bytes below the default): the next plan caps the roster under it.
         self.roster_budget = ROSTER_BUDGET_BYTES
         self.events_kept = EVENTS_KEPT
-        self._pruned_at_count = -1
+        # The view's revision when this leader last pruned, and the etcd revision from which
+        # on a view has seen that prune: between the two, the view's count is stale.
+        self._prune_unseen = range(0)
         self._short_since: float | None = None
         self._departure_seq = 0
         #: Whether this member wrote (or would have written) at its last step. A member
@@ -212,12 +214,10 @@ class Leader:
             return plan.until
         floor = max(snap.connected_at, settled)
         deadlines = []
-        seen = ready_since
-        if seen is not None and set(gen.roster) - snap.ready_for(gen.number):
-            deadlines.append(max(seen, floor) + cfg.join_timeout_s)
-        broke = alive_since
-        if broke is not None and set(gen.roster) - snap.alive_for(gen.number):
-            deadlines.append(max(broke, floor) + cfg.join_timeout_s)
+        if ready_since is not None and set(gen.roster) - snap.ready_for(gen.number):
+            deadlines.append(silence_deadline(ready_since, floor, cfg.join_timeout_s))
+        if alive_since is not None and set(gen.roster) - snap.alive_for(gen.number):
+            deadlines.append(silence_deadline(alive_since, floor, cfg.join_timeout_s))
         return min(deadlines) if deadlines else None
 
     def _check_elastic_timeout(self, snap: ViewSnapshot, available: int, cfg: JobConfig,
@@ -262,13 +262,13 @@ class Leader:
             self._shrink_roster_budget(snap, plan, exc)
             return False
         if written is not Written.WRITTEN:
-            self.stats["cas_lost"] += 1
+            self.counters.cas_lost += 1
             return False
-        self.stats["generations_written"] += 1
+        self.counters.generations_written += 1
         for m in plan.dropped:
             member = snap.members.get(m)
             if member is not None:
-                self.stats["dropped"] += 1
+                self.counters.dropped += 1
                 self.writer.revoke(member.record.lease_id)
         return True
 
@@ -324,14 +324,16 @@ class Leader:
         """Delete the oldest events beyond ``events_kept`` (keys sort by time).
 
         Unbounded, the log would outgrow what one read may carry and what etcd should hold.
-        Runs when the view counts 10% over the cap, so it costs three requests per cap/10
-        events, and not again at the same count. The writer counts the excess in etcd: the
-        view may not have seen an earlier prune's deletes yet.
+        Runs when the view counts 10% over the cap, so it costs four requests per cap/10
+        events. Not while the view has yet to see this leader's previous prune (its count
+        is stale then): keyed on the count instead, a log that regrew to exactly the count
+        of the previous prune was left over the bound until the next event. The writer
+        counts the excess in etcd all the same. A view whose revision went back (etcd
+        replaced) is taken as fresh.
         """
         assert self.writer is not None
         keep = max(1, self.events_kept)
-        count = snap.event_count
-        if count <= keep + max(1, keep // 10) or count == self._pruned_at_count:
+        if snap.event_count <= keep + max(1, keep // 10) or snap.revision in self._prune_unseen:
             return
-        self.writer.prune_events(keep)
-        self._pruned_at_count = count
+        pruned = self.writer.prune_events(keep)
+        self._prune_unseen = range(snap.revision, pruned.revision)

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peer_elastic import threads
 from peer_elastic.errors import EtcdAuthError, EtcdError, LeaseNotFound
 from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 __all__ = ["ReachReporter", "cut_off"]
 

@@ -55,8 +55,19 @@ class Identity:
     address: str = ""
     local_rank: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)
-    net_address: str = ""  # the IP its process groups use (peer_elastic.netaddr)
+    net_address: str = ""  # the IP its process groups use (peer_elastic.process.netaddr)
     probe_port: int = 0  # a port on net_address that accepts reachability probes
+
+    @classmethod
+    def of_this_process(cls, host: str | None, address: str = "", local_rank: int = 0,
+                        labels: Mapping[str, str] | None = None, net_address: str = "",
+                        probe_port: int = 0) -> Identity:
+        """This process's identity on ``host`` (None: :func:`default_host`); raises
+        :class:`ConfigError` for a host name no member id can hold."""
+        host = host or default_host()
+        if not valid_name(host):
+            raise ConfigError(f"invalid host name {host!r} for a member id")
+        return cls(host, address, local_rank, dict(labels or {}), net_address, probe_port)
 
     def new_member_id(self) -> str:
         return f"{self.host}-{os.getpid()}-{secrets.token_hex(3)}"

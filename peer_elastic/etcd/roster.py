@@ -38,7 +38,6 @@ class GenerationPlan:
     number: int
     roster: tuple[str, ...]
     reason: str  # for humans; decisions read ``causes``
-    needs_sync: bool
     joined: tuple[str, ...]
     removed: tuple[str, ...]
     dropped: tuple[str, ...]  # silent members removed (their leases are revoked)
@@ -132,7 +131,7 @@ def plan_next_generation(
             return GenerationPlan(
                 number=gen.number + 1,  # type: ignore[union-attr]
                 roster=(), reason=f"waiting: {len(roster)} of min_np={cfg.min_np} peers "
-                f"(gone: {_names(gone)})", needs_sync=False, joined=(), removed=gone,
+                f"(gone: {_names(gone)})", joined=(), removed=gone,
                 dropped=dropped, broken=broken,
                 causes=(GenerationCause.GENERATION_CAUSE_BELOW_MIN_NP, *causes))
         return Wait(f"{len(roster)} of min_np={cfg.min_np} peers available")
@@ -171,9 +170,6 @@ def _plan(snap: ViewSnapshot, roster: tuple[str, ...], capped: int, dropped: tup
         number=(gen.number if gen is not None else 0) + 1,
         roster=roster,
         reason="; ".join(parts),
-        # Sync when someone new must receive the state, or when a failed collective made
-        # the survivors roll back (each to its own last commit).
-        needs_sync=gen is None or bool(joined) or broken,
         joined=joined,
         removed=removed,
         dropped=dropped,
@@ -238,6 +234,13 @@ def _left_cause(snap: ViewSnapshot, member_id: str) -> GenerationCause:
     return GenerationCause.GENERATION_CAUSE_RESIZED
 
 
+def silence_deadline(owing_since: float, floor: float, join_timeout_s: float) -> float:
+    """When a roster member that owes an ack since ``owing_since`` becomes silent:
+    ``join_timeout_s`` later, the clock starting no earlier than ``floor`` (see
+    :func:`silent_members`). The leader also wakes then (``Leader.step``'s next look)."""
+    return max(owing_since, floor) + join_timeout_s
+
+
 def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: float,
                    now: float, settled_at: float = 0.0,
                    broken_seen_at: float | None = None,
@@ -268,10 +271,10 @@ def silent_members(snap: ViewSnapshot, seen_at: float | None, join_timeout_s: fl
     # Every member asks on every change it sees: the snapshot's shared lists of who owes
     # which ack keep this O(owing), not O(roster), per member.
     floor = max(snap.connected_at, settled_at)
-    if seen_at is not None and now - max(seen_at, floor) >= join_timeout_s:
+    if seen_at is not None and now >= silence_deadline(seen_at, floor, join_timeout_s):
         out.update({m: "ready" for m in snap.not_ready()})
     if snap.broken.get(gen.number) and broken_seen_at is not None \
-            and now - max(broken_seen_at, floor) >= join_timeout_s:
+            and now >= silence_deadline(broken_seen_at, floor, join_timeout_s):
         for m in snap.not_alive():
             out.setdefault(m, "alive")
     if deaths and snap.owing_acks():

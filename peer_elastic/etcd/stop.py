@@ -12,7 +12,10 @@ own:
   (:data:`ABANDON_RENDEZVOUS` until every member passed its commit point; after that, only
   when the group cannot complete: :data:`CANNOT_COMPLETE`)
 * :meth:`Coordinator.check <peer_elastic.etcd.coordinator.Coordinator.check>`: does this
-  peer's participation end? (:data:`LEAVE_JOB`)
+  peer's participation end? (:data:`LEAVE_JOB`; the error it raises: :func:`participation_end`)
+
+What it reads of the coordinator is :class:`MembershipFacts`, so this module sits below the
+coordinator, which asks it too.
 
 Each asks :func:`stop_reason` with the causes it acts on; the answer is a typed
 :class:`StopReason` (a :class:`StopCause` and a text for humans). Causes are tried in the
@@ -24,24 +27,27 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from peer_elastic.etcd.coordinator import Coordinator
-    from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.errors import LeaveRequested, PeerElasticError
+from peer_elastic.etcd.done import done_error
+from peer_elastic.etcd.view import ViewSnapshot
 
 __all__ = [
     "ABANDON_RENDEZVOUS",
     "ALL_CAUSES",
     "CANNOT_COMPLETE",
+    "MembershipFacts",
     "LEAVE_JOB",
     "RESET_NOW",
     "GroupId",
     "GroupRef",
     "StopCause",
     "StopReason",
+    "participation_end",
     "stop_reason",
 ]
 
@@ -69,6 +75,30 @@ class StopReason:
 
     def __str__(self) -> str:
         return self.detail
+
+
+class MembershipFacts(Protocol):
+    """This peer's registration and the watched view of its job, from memory: what
+    :func:`stop_reason` reads. The :class:`~peer_elastic.etcd.coordinator.Coordinator` owns
+    them; the training side's parts extend this Protocol with what else each one uses, so a
+    test fake implements no more than that."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def member_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> int: ...  # changes when this peer loses its registration
+
+    @property
+    def error(self) -> PeerElasticError | None: ...  # the fatal error, once there is one
+
+    @property
+    def drain_requested(self) -> threading.Event: ...  # this peer asked to leave
+
+    def snapshot(self) -> ViewSnapshot: ...  # the watched view's newest picture
 
 
 class GroupRef(Protocol):
@@ -111,7 +141,7 @@ LEAVE_JOB = frozenset({StopCause.FATAL, StopCause.JOB_DONE, StopCause.LEFT})
 ALL_CAUSES = frozenset(StopCause)
 
 
-def stop_reason(coord: Coordinator, group: GroupRef | None,
+def stop_reason(coord: MembershipFacts, group: GroupRef | None,
                 snap: ViewSnapshot | None = None, *,
                 causes: Collection[StopCause] = ALL_CAUSES) -> StopReason | None:
     """The first of ``causes`` (in :class:`StopCause` order) that holds for ``group``, or None.
@@ -128,7 +158,21 @@ def stop_reason(coord: Coordinator, group: GroupRef | None,
     return None
 
 
-def _check(cause: StopCause, coord: Coordinator, group: GroupRef | None,
+def participation_end(coord: MembershipFacts, snap: ViewSnapshot) -> PeerElasticError | None:
+    """The error that ends this peer's participation in the job (:data:`LEAVE_JOB`), or None:
+    the coordinator's fatal error, the job's end (:func:`~peer_elastic.etcd.done.done_error`),
+    or :class:`~peer_elastic.errors.LeaveRequested` once a drain took effect."""
+    reason = stop_reason(coord, None, snap, causes=LEAVE_JOB)
+    if reason is None:
+        return None
+    if reason.cause is StopCause.FATAL and coord.error is not None:
+        return coord.error
+    if reason.cause is StopCause.JOB_DONE and snap.done is not None:
+        return done_error(coord.job, snap.done)
+    return LeaveRequested(reason.detail)
+
+
+def _check(cause: StopCause, coord: MembershipFacts, group: GroupRef | None,
            snap: ViewSnapshot) -> StopReason | None:
     newest = snap.generation
     if cause is StopCause.FATAL:

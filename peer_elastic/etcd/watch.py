@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peer_elastic import threads
 from peer_elastic.errors import ClientClosed, EtcdError, RevisionCompacted
 from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import enum
 import logging
 import time
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from peer_elastic.errors import EtcdError
 from peer_elastic.etcd.acks import batcher_for
@@ -49,6 +50,15 @@ class Written(enum.Enum):
 
     WRITTEN = "written"  # ours is the new generation
     LOST = "lost"  # another writer (or a change of the guards) won
+
+
+@dataclass(frozen=True)
+class EventsPruned:
+    """What :meth:`RunWriter.prune_events` did: ``deleted`` events, and the etcd
+    ``revision`` from which on a view of the job has seen that prune (its count is true)."""
+
+    deleted: int
+    revision: int
 
 
 def holds(resp: list, data: bytes) -> bool:
@@ -150,25 +160,22 @@ class RunWriter:
         except EtcdError as exc:
             log.debug("event not recorded: %s", exc)
 
-    def prune_events(self, keep: int) -> int:
-        """Delete the oldest events (keys sort by time) until at most ``keep`` remain;
-        returns how many were deleted.
+    def prune_events(self, keep: int) -> EventsPruned:
+        """Delete the oldest events (keys sort by time) until at most ``keep`` remain.
 
         The excess is counted in etcd, not taken from the caller's view: a view that has not
         yet seen an earlier prune's deletes counts too many, and deleting by that count
-        removed the newest events too (measured: the whole log, under load).
+        removed the newest events too (measured: the whole log, under load). The revision
+        returned is read after the delete, so a view at it has seen the delete.
         """
         prefix = self.keys.events_prefix
         excess = self.client.count_prefix(prefix) - keep
-        if excess <= 0:
-            return 0
-        oldest = self.client.first_keys(prefix, excess)
-        if not oldest:
-            return 0
-        # Events written since the count are newer than every key deleted here.
-        self.client.txn([], [Txn.delete_range(prefix, oldest[-1] + "\0")])
-        log.info("event log: deleted the %d oldest events", len(oldest))
-        return len(oldest)
+        oldest = self.client.first_keys(prefix, excess) if excess > 0 else []
+        if oldest:
+            # Events written since the count are newer than every key deleted here.
+            self.client.txn([], [Txn.delete_range(prefix, oldest[-1] + "\0")])
+            log.info("event log: deleted the %d oldest events", len(oldest))
+        return EventsPruned(deleted=len(oldest), revision=self.client.revision())
 
     # -- the end of the run -----------------------------------------------------------------------
 
@@ -209,7 +216,7 @@ class RunWriter:
         keys = self.keys
         rec = GenerationRecord(
             number=plan.number, roster=list(plan.roster), reason=plan.reason,
-            needs_sync=plan.needs_sync, written_by=self.member_id, written_unix=time.time(),
+            written_by=self.member_id, written_unix=time.time(),
             joined=list(plan.joined), removed=list(plan.removed), detected_unix=detected_unix,
             causes=list(plan.causes),
         )

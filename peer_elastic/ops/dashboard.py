@@ -35,6 +35,7 @@ from peer_elastic.etcd.view import JobView, ViewSnapshot
 from peer_elastic.ops import timeline as tl
 from peer_elastic.ops.http_guard import ConnectionCap, HostAllowList, ReadDeadlines
 from peer_elastic.ops.page import PAGE
+from peer_elastic.process import threads
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +244,6 @@ class Dashboard:
         self.cap = ConnectionCap(max_connections)
         self._server = _Server((host, port), _handler(self.state, self.hosts, self.deadlines),
                                self.cap)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="dashboard-http", daemon=True)
 
     @property
     def url(self) -> str:
@@ -255,7 +254,7 @@ class Dashboard:
     def start(self) -> Dashboard:
         self.state.start()
         self.deadlines.start()
-        self._thread.start()
+        threads.start(self._server.serve_forever, "dashboard-http")  # until stop()'s shutdown
         return self
 
     def stop(self) -> None:

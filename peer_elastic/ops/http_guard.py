@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Iterable
 
+from peer_elastic.process import threads
+
 __all__ = ["LOOPBACK_NAMES", "ConnectionCap", "HostAllowList", "ReadDeadlines", "host_of"]
 
 #: Names every allow-list holds: they resolve to this machine whatever DNS says.
@@ -83,11 +85,10 @@ class ReadDeadlines:
         self._cond = threading.Condition()
         self._stopped = False
         self.expired = 0  # connections shut down for being too slow (for tests and logs)
-        self._thread = threading.Thread(target=self._run, name="dashboard-deadlines",
-                                        daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> ReadDeadlines:
-        self._thread.start()
+        self._thread = threads.start(self._run, "dashboard-deadlines")
         return self
 
     def arm(self, sock: socket.socket) -> None:
@@ -103,7 +104,7 @@ class ReadDeadlines:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(5)
 
     def _run(self) -> None:

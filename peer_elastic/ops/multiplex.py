@@ -12,11 +12,12 @@ pieces that each carry the prefix, so one runaway writer cannot exhaust memory.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from peer_elastic.process import threads
 
 #: Longest piece written as one line; longer lines are cut (each piece prefixed).
 MAX_LINE = 1 << 20
@@ -71,10 +72,8 @@ class Multiplexer:
         for pipe, terminal in ((stdout, self._stdout), (stderr, self._stderr)):
             if pipe is None:
                 continue
-            t = threading.Thread(target=self._pump, args=(index, pipe, terminal),
-                                 name=f"peer-{index}-output", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._threads.append(threads.start(self._pump, f"peer-{index}-output",
+                                               args=(index, pipe, terminal)))
 
     def _pump(self, index: int, pipe: BinaryIO, terminal: BinaryIO) -> None:
         try:
@@ -107,9 +106,7 @@ class Multiplexer:
     def close(self, timeout: float = 10.0) -> None:
         """Wait until every pipe is drained (``timeout`` in all: a peer's child that kept the
         pipe open must not hold up the launcher), then close the log files."""
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        threads.join_all(self._threads, timeout)
         with self._lock:
             for f in self._files.values():
                 f.close()

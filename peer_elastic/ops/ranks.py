@@ -6,6 +6,12 @@ So a peer's current rank is a lookup in the job's watched picture (the same
 :class:`~peer_elastic.etcd.view.JobView` the peers use), typed records only, with no
 parsing of the peers' output. The command must be the peer process itself (``python
 train.py``, or a wrapper that replaces itself with it by ``exec``) for its pid to match.
+
+A role is as current as the launcher's watch, which can be a moment behind the peer (the
+peer acts on the generation as soon as its own watch shows it): lines a peer writes just
+after joining, or just after a reset, may be labelled by the picture before. Waiting for a
+fresh picture before each such line would make the peers' output, and so the peers, wait
+on etcd; ``peer-elastic run``'s documentation says what a label promises instead.
 """
 
 from __future__ import annotations

@@ -152,12 +152,11 @@ class MemberRecord(_message.Message):
     def __init__(self, schema: _Optional[int] = ..., member_id: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., version: _Optional[str] = ..., started_unix: _Optional[float] = ..., net_address: _Optional[str] = ..., probe_port: _Optional[int] = ...) -> None: ...
 
 class GenerationRecord(_message.Message):
-    __slots__ = ("schema", "number", "roster", "reason", "needs_sync", "written_by", "written_unix", "joined", "removed", "detected_unix", "causes")
+    __slots__ = ("schema", "number", "roster", "reason", "written_by", "written_unix", "joined", "removed", "detected_unix", "causes")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     ROSTER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_SYNC_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
@@ -168,14 +167,13 @@ class GenerationRecord(_message.Message):
     number: int
     roster: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    needs_sync: bool
     written_by: str
     written_unix: float
     joined: _containers.RepeatedScalarFieldContainer[str]
     removed: _containers.RepeatedScalarFieldContainer[str]
     detected_unix: float
     causes: _containers.RepeatedScalarFieldContainer[GenerationCause]
-    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., needs_sync: _Optional[bool] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., detected_unix: _Optional[float] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
+    def __init__(self, schema: _Optional[int] = ..., number: _Optional[int] = ..., roster: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ..., written_unix: _Optional[float] = ..., joined: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., detected_unix: _Optional[float] = ..., causes: _Optional[_Iterable[_Union[GenerationCause, str]]] = ...) -> None: ...
 
 class AckRecord(_message.Message):
     __slots__ = ("schema", "member_id", "generation", "unix", "detail")

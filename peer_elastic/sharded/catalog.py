@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from peer_elastic.codec import copy_plain
+from peer_elastic.state.codec import copy_plain
 
 __all__ = ["Catalog", "Entry", "catalog_of", "install", "live_tensors"]
 

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, new_lineage
 from peer_elastic.durable.layout import CorruptSnapshot, SnapshotId
 from peer_elastic.durable.service import DurableSnapshots
 from peer_elastic.durable.sharded import (
@@ -34,7 +33,8 @@ from peer_elastic.durable.sharded import (
 from peer_elastic.durable.writer import SnapshotInfo
 from peer_elastic.sharded.plan import Layout
 from peer_elastic.sharded.state import ShardedState
-from peer_elastic.state import TorchState
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion, new_lineage
+from peer_elastic.state.states import TorchState
 
 __all__ = ["ShardedSnapshots"]
 

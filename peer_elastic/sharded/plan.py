@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from peer_elastic.agreement import StateVersion
+from peer_elastic.state.agreement import StateVersion
 
 __all__ = [
     "MAX_HELD",

@@ -3,11 +3,11 @@
 Collective over the new default group, called by the run loop instead of the replicated
 state's agree-and-sync:
 
-1. One all-gather of every rank's :class:`~peer_elastic.agreement.Claim` and
+1. One all-gather of every rank's :class:`~peer_elastic.state.agreement.Claim` and
    :class:`~peer_elastic.sharded.plan.Holding` (a few dozen integers each).
 2. Every rank applies :func:`~peer_elastic.sharded.plan.choose_restore` to the same list: the
    newest version whose every shard some rank still holds. The ranks holding it count as
-   trained for :func:`~peer_elastic.agreement.should_resume`, the others not, so a group that
+   trained for :func:`~peer_elastic.state.agreement.should_resume`, the others not, so a group that
    lost more shards than the redundancy covers loads the newest durable snapshot, exactly as
    a replicated group that lost every holder.
 3. In memory: the sync source (the lowest rank holding the version) sends the catalog (names,
@@ -29,8 +29,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, new_lineage, should_resume
-from peer_elastic.codec import decode_values, encode_values
 from peer_elastic.errors import ShardedStateLost
 from peer_elastic.sharded.catalog import Catalog
 from peer_elastic.sharded.exchange import flat_views, transfer
@@ -46,7 +44,10 @@ from peer_elastic.sharded.plan import (
     wanted_shards,
 )
 from peer_elastic.sharded.state import Arrived, ShardedState
-from peer_elastic.torch.collectives import broadcast_bytes, broadcast_tensors, syncing_from
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion, new_lineage, should_resume
+from peer_elastic.state.codec import decode_values, encode_values
+from peer_elastic.torch.transport.collectives import broadcast_bytes, broadcast_tensors
+from peer_elastic.torch.transport.sync_source import syncing_from
 
 __all__ = ["regroup"]
 

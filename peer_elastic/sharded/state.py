@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.agreement import StateVersion
 from peer_elastic.sharded.catalog import Catalog, catalog_of, install, live_tensors
 from peer_elastic.sharded.exchange import flat_views, transfer
 from peer_elastic.sharded.plan import MAX_HELD, Holding, Layout, copy_holders, mesh_shape, rows
-from peer_elastic.state import TorchState
-from peer_elastic.torch.snapshots import copy_all, same_meta
+from peer_elastic.state.agreement import StateVersion
+from peer_elastic.state.states import TorchState
+from peer_elastic.torch.transport.snapshots import copy_all, same_meta
 
 __all__ = ["Arrived", "SavedShards", "ShardedState"]
 

@@ -10,7 +10,7 @@ GroupPace`). Slot 0 carries each rank's proposed period, negated, so that its MA
 smallest proposal: the number of checks until the next exchange, the same on every rank.
 
 The op is issued at one check and completed at the next, as the check's own exchange is
-(:mod:`peer_elastic.torch.pending_check`): a step runs in between, and the op has usually
+(:mod:`peer_elastic.torch.check.pending_check`): a step runs in between, and the op has usually
 completed when the next check comes, so the check does not wait on the others for it.
 Measured blocking instead, on the 2-core test machine under a load of 15, a check that
 exchanged waited 5-35 ms for the last rank to arrive (a wait the next gradient all-reduce
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from peer_elastic.straggler.meter import PaceSample
 from peer_elastic.straggler.score import GroupPace
-from peer_elastic.torch.max_exchange import MaxExchange
+from peer_elastic.torch.check.max_exchange import MaxExchange
 
 __all__ = ["PaceExchange"]
 

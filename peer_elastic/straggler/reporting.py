@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from peer_elastic import threads
 from peer_elastic.errors import EtcdError, RecordError
 from peer_elastic.etcd.client import Txn
 from peer_elastic.etcd.writer import holds
+from peer_elastic.process import threads
 from peer_elastic.records import DrainRecord, EventRecord, PaceRecord, encode
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,16 @@ lease is gone, the job is done, or this peer's registration changed. Giving up a
 publishing an address would leave the peers that read it connecting to a rank that left.
 A member that dies there anyway leaves its peers waiting inside gloo; once the group can
 never complete (the member's lease is gone, or its probe port refuses), each rank's
-:class:`~peer_elastic.torch.stranded_connect.FormingGuard` ends those waits, and a group
+:class:`~peer_elastic.torch.gloo.stranded_connect.FormingGuard` ends those waits, and a group
 formed after that is discarded.
+
+Before a rendezvous, while forming takes long and while a collective waits, it probes the
+roster's group addresses (:mod:`peer_elastic.torch.reachability`).
 
 It also remembers the connections each group opened, so that a collective stuck on a peer
 whose lease is gone can be abandoned (:meth:`GroupManager.abandon`, driven by
-:class:`~peer_elastic.torch.abort.HangWatchdog`).
+:class:`~peer_elastic.torch.gloo.abort.HangWatchdog`, which asks
+:func:`~peer_elastic.torch.lost_peer.lost_peer` when).
 
 Plain ``torch.distributed`` calls and DDP in user code use the group unchanged.
 """
@@ -28,55 +32,53 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from peer_elastic import threads
-from peer_elastic.errors import ConfigError, PeerElasticError
-from peer_elastic.etcd.coordinator import Assignment, Coordinator
-from peer_elastic.etcd.deaths import ProbeTarget, all_gone, probeable, refusing
-from peer_elastic.etcd.reach import ReachReporter
+from peer_elastic.etcd.client import EtcdClient
+from peer_elastic.etcd.coordinator import Assignment
+from peer_elastic.etcd.deaths import probeable
+from peer_elastic.etcd.keys import RunKeys
 from peer_elastic.etcd.stop import (
     ABANDON_RENDEZVOUS,
     CANNOT_COMPLETE,
     GroupId,
+    MembershipFacts,
     StopCause,
     stop_reason,
 )
-from peer_elastic.etcd.view import ViewSnapshot
-from peer_elastic.netaddr import FIX, host_port, is_loopback, probe
+from peer_elastic.etcd.view import JobView
 from peer_elastic.observer import PeerStats
-from peer_elastic.parent_only_sockets import ParentOnlySockets
-from peer_elastic.process_sockets import keep_from_exec
-from peer_elastic.torch.abort import GroupConnections, Loss, endpoint_matcher
+from peer_elastic.process.parent_only_sockets import ParentOnlySockets
+from peer_elastic.process.sockets import keep_from_exec
+from peer_elastic.records import JobConfig, RunRecord
 from peer_elastic.torch.barrier import Arrival, pass_barrier
-from peer_elastic.torch.gloo_records import GlooListeners
-from peer_elastic.torch.held_connections import HeldConnections
-from peer_elastic.torch.retired_groups import RetiredGroups
+from peer_elastic.torch.formed_group import FormedGroup
+from peer_elastic.torch.gloo.abort import GroupConnections, Loss, endpoint_matcher
+from peer_elastic.torch.gloo.gloo_records import GlooListeners
+from peer_elastic.torch.gloo.held_connections import HeldConnections
+from peer_elastic.torch.gloo.retired_groups import RetiredGroups
+from peer_elastic.torch.gloo.stranded_connect import FormingGuard
+from peer_elastic.torch.gloo.subgroup_timeout import (
+    bound_default_timeouts,
+    restore_default_timeouts,
+)
+from peer_elastic.torch.lost_peer import lost_peer
+from peer_elastic.torch.reachability import Reachability, ReachCoordinator
 from peer_elastic.torch.store import EtcdStore
-from peer_elastic.torch.stranded_connect import FormingGuard
-from peer_elastic.torch.subgroup_timeout import bound_default_timeouts, restore_default_timeouts
 
 log = logging.getLogger(__name__)
 
 
 #: Changes the default group's timeout after it formed (torch 2.x; private, hence looked up).
 _SET_GROUP_TIMEOUT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-#: A collective that has waited this long makes the rank probe its group's members for a
-#: death (a refused probe), and once it has waited two join timeouts (if longer) for their
-#: reachability too; then again every _STALL_PROBE_EVERY_S while it waits.
-_STALL_PROBE_AFTER_S = 2.0
-_STALL_PROBE_EVERY_S = 5.0
 #: How long an abandoned group's connections keep room for gloo's queued sends before they
 #: are shut (GroupConnections.make_room): gloo's loop hands them over within milliseconds.
 _FLUSH_BEFORE_CUT_S = 0.2
-#: The grace of a group whose lost members are all confirmed dead (GroupManager.lost_peer).
-_DEAD_PEER_GRACE_S = 0.5
 #: How often a peer waiting to be listed re-checks its own advertised address.
 _ADDRESS_RECHECK_S = 1.0
 
@@ -117,7 +119,7 @@ def destroy_default_group(connections: GroupConnections) -> int:
 
     ``destroy_process_group`` closes gloo's connections only when the group object dies,
     and something usually keeps it alive: the manager itself for a while
-    (:mod:`peer_elastic.torch.retired_groups`), and a DDP wrapper (rebuilt in a reset
+    (:mod:`peer_elastic.torch.gloo.retired_groups`), and a DDP wrapper (rebuilt in a reset
     callback, the README's recipe) holds its group in its reducer. A peer blocked in that
     group's collective waiting on this one would then wait for the collective timeout
     instead of failing at once, as it does when this process's end of the connection
@@ -132,32 +134,22 @@ def destroy_default_group(connections: GroupConnections) -> int:
     return connections.cut()
 
 
-def _where(targets: Iterable[ProbeTarget]) -> str:
-    """``member at host:port, ...`` for log lines and broken-generation details."""
-    return ", ".join(f"{t.member_id} at {host_port(t.address, t.port)}" for t in targets)
+class GroupCoordinator(MembershipFacts, ReachCoordinator, Protocol):
+    """What :class:`GroupManager` uses of the coordinator: the run it forms groups in, the
+    waits for a generation, and the watched view (with what :class:`Reachability` and
+    :func:`lost_peer` read)."""
 
+    client: EtcdClient  # the rendezvous' store; its endpoints are not a group's connections
+    config: JobConfig
+    run: RunRecord | None  # None before this peer registers
+    keys: RunKeys | None
+    view: JobView
 
-@dataclass(frozen=True)
-class FormedGroup:
-    """The process group of one generation, as this peer sees it."""
+    def hold_rejoin(self, until: Callable[[], bool] | None) -> None: ...
 
-    assignment: Assignment
-    backend: str
-    formed_at: float  # time.monotonic()
-    wait_s: float  # waiting for acks
-    init_s: float  # init_process_group
-    incarnation: int = 0  # the coordinator's registration this group was formed under
-    # Where the roster's probe listeners were when it formed: a member dropped since is no
-    # longer in the view, and its probe is what says whether its process is gone.
-    probes: tuple[ProbeTarget, ...] = ()
+    def wait_generation(self, after: int = 0, timeout: float | None = None) -> Assignment: ...
 
-    @property
-    def generation(self) -> int:
-        return self.assignment.generation
-
-    @property
-    def roster(self) -> tuple[str, ...]:
-        return self.assignment.roster
+    def wait_ready(self, generation: int, timeout: float | None = None) -> bool: ...
 
 
 class GroupManager:
@@ -165,7 +157,7 @@ class GroupManager:
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: GroupCoordinator,
         backend: str = "auto",
         collective_timeout_s: float = 30.0,
         rendezvous_timeout_s: float = 120.0,
@@ -188,7 +180,7 @@ class GroupManager:
         self._connections = GroupConnections()
         # This peer's gloo sockets, and the connections its abandons hold, are kept from the
         # processes it forks (DataLoader workers): a child must not keep them open once this
-        # peer dies (peer_elastic.parent_only_sockets).
+        # peer dies (peer_elastic.process.parent_only_sockets).
         self._parent_only = ParentOnlySockets()
         # A group made since the last close-on-exec marking (keep_connections_from_exec).
         self._unmarked = False
@@ -198,13 +190,11 @@ class GroupManager:
         self._lock = threading.Lock()  # current / _connections vs. the watchdog thread
         self._retired = RetiredGroups()  # destroyed groups, still referenced (why: there)
         self._held = HeldConnections()  # abandoned groups' connections, kept open (why: there)
-        self._reach = ReachReporter(  # members this peer cannot reach, kept true in etcd
-            lambda members, n: coordinator.report_unreachable(members, n),
-            lambda: coordinator.clear_unreachable(), self._probe_member)
-        self._is_etcd = endpoint_matcher(
-            (e.host, e.port) for e in getattr(coordinator.client, "endpoints", ()))
-        self._next_stall_probe = 0.0  # time.monotonic(); under _lock
-        self._stall_probe: threading.Thread | None = None
+        # Probes of the roster's group addresses: before a rendezvous, while forming takes
+        # long, and while a collective waits (the hang monitor tells waited_on_peers).
+        self.reach = Reachability(coordinator, collective_timeout_s, self._join_timeout_s,
+                                  lambda: self.current)
+        self._is_etcd = endpoint_matcher((e.host, e.port) for e in coordinator.client.endpoints)
         coordinator.hold_rejoin(self.left_lost_registration)
 
     def destroy(self) -> None:
@@ -240,7 +230,7 @@ class GroupManager:
         with groups); waits at most ``wait_s`` for their collectives in flight to end."""
         self.destroy()
         self.coordinator.hold_rejoin(None)
-        self._reach.close()
+        self.reach.close()
         self._retired.release(wait_s)
         self._held.release()
         self._parent_only.release()
@@ -262,78 +252,93 @@ class GroupManager:
                 log.info("generation %d superseded before everyone acknowledged it", a.generation)
                 continue
             t1 = time.monotonic()
-            incarnation = coord.incarnation
-            pending = GroupId(a.generation, a.roster, incarnation)
-            if not self._wait_reachable(a, pending) or not self._commit(a, pending):
+            pending = GroupId(a.generation, a.roster, coord.incarnation)
+            if not self.reach.wait_reachable(a, lambda p=pending: self._abort_reason(p)) \
+                    or not self._commit(a, pending):
                 continue
-            # gloo: a member gone mid-connect must not strand this rank in gloo's wait for it.
-            guard = FormingGuard(
-                a.rank, a.size, lambda p=pending: self._abort_reason(p, CANNOT_COMPLETE),
-                coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
-                on_stuck=lambda a=a: self._why_forming_is_stuck(a),
-            ) if self.backend == "gloo" else None
-            listeners = self._new_listeners()
+            group = self._form_committed(a, pending, acks_s=t1 - t0, t1=t1)
+            if group is not None:
+                return group
 
-            def saw_value(key: str, value: bytes, guard: FormingGuard | None = guard,
-                          listeners: GlooListeners = listeners) -> None:
-                listeners.saw_value(key, value)
-                if guard is not None:
-                    guard.saw_value(key, value)
+    def _form_committed(self, a: Assignment, pending: GroupId, acks_s: float,
+                        t1: float) -> FormedGroup | None:
+        """Form ``a``'s group once this peer passed its commit point; None when it failed or
+        was discarded (the caller forms the next generation)."""
+        coord = self.coordinator
+        # gloo: a member gone mid-connect must not strand this rank in gloo's wait for it.
+        guard = FormingGuard(
+            a.rank, a.size, lambda: self._abort_reason(pending, CANNOT_COMPLETE),
+            coord.view, self._is_etcd, grace_s=self._join_timeout_s(),
+            on_stuck=lambda: self.reach.why_forming_is_stuck(a),
+        ) if self.backend == "gloo" else None
+        listeners = self._new_listeners()
 
-            store = self._store = self._new_store(
-                pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE,
-                on_value=saw_value if self.backend == "gloo" else None)
-            init_timeout_s = self.init_timeout_s(a.size)
-            try:
-                with guard or contextlib.nullcontext(), \
-                        GroupConnections.capture(exclude=self._is_etcd) as connections:
-                    dist.init_process_group(
-                        self.backend, store=store, rank=a.rank, world_size=a.size,
-                        timeout=timedelta(seconds=init_timeout_s),
-                    )
-                    if init_timeout_s < self.collective_timeout_s:
-                        assert _SET_GROUP_TIMEOUT is not None  # else init_timeout_s is that
-                        _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
-            except Exception as exc:
-                reason = self._abort_reason(pending)
-                log.info("forming generation %d failed (%s): %s", a.generation,
-                         reason or "error", exc)
-                self.destroy()
-                coord.check()
-                if reason is None and not is_collective_failure(exc):
-                    raise
-                if reason is None:
-                    # Our peers are gone but the leader has not noticed yet: tell it.
-                    self.coordinator.mark_broken(a.generation, f"rendezvous failed: {exc}")
-                continue
-            t2 = time.monotonic()
-            snap = coord.snapshot()
-            probes = tuple(probeable(snap, coord.member_id, [
-                m for i in a.roster if (m := snap.members.get(i)) is not None]))
-            with self._lock:
-                self.current = FormedGroup(a, self.backend, t2, t1 - t0, t2 - t1, incarnation,
-                                           probes)
-                self._connections, self._listeners = connections, listeners
-            if guard is not None and guard.fired is not None:
-                # Formed only because the guard handed gloo closed sockets: broken.
-                log.info("generation %d formed after its guard acted (%s): discarded",
-                         a.generation, guard.fired)
-                self.destroy()
-                coord.check()
-                continue
-            coord.view.wake()
-            # Before the sync and the reset callbacks: a program one of them starts must not
-            # hold the group's connections either (the callbacks' subgroups: Peer._reset).
-            self.keep_connections_from_exec()
-            log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
-                     a.generation, a.rank, a.size, t1 - t0, t2 - t1)
-            return self.current
+        def saw_value(key: str, value: bytes) -> None:
+            listeners.saw_value(key, value)
+            if guard is not None:
+                guard.saw_value(key, value)
+
+        assert coord.keys is not None
+        store = self._store = self._new_store(
+            pending, coord.keys.store_prefix(a.generation), CANNOT_COMPLETE,
+            on_value=saw_value if self.backend == "gloo" else None)
+        try:
+            with guard or contextlib.nullcontext():
+                connections = self._init_process_group(a, store)
+        except Exception as exc:
+            reason = self._abort_reason(pending)
+            log.info("forming generation %d failed (%s): %s", a.generation,
+                     reason or "error", exc)
+            self.destroy()
+            coord.check()
+            if reason is None and not is_collective_failure(exc):
+                raise
+            if reason is None:
+                # Our peers are gone but the leader has not noticed yet: tell it.
+                coord.mark_broken(a.generation, f"rendezvous failed: {exc}")
+            return None
+        t2 = time.monotonic()
+        snap = coord.snapshot()
+        probes = tuple(probeable(snap, coord.member_id, [
+            m for i in a.roster if (m := snap.members.get(i)) is not None]))
+        with self._lock:
+            self.current = FormedGroup(a, self.backend, t2, acks_s, t2 - t1, pending.incarnation,
+                                       probes)
+            self._connections, self._listeners = connections, listeners
+        if guard is not None and guard.fired is not None:
+            # Formed only because the guard handed gloo closed sockets: broken.
+            log.info("generation %d formed after its guard acted (%s): discarded",
+                     a.generation, guard.fired)
+            self.destroy()
+            coord.check()
+            return None
+        coord.view.wake()
+        # Before the sync and the reset callbacks: a program one of them starts must not
+        # hold the group's connections either (the callbacks' subgroups: Peer._reset).
+        self.keep_connections_from_exec()
+        log.info("formed generation %d: rank %d of %d (acks %.3f s, init %.3f s)",
+                 a.generation, a.rank, a.size, acks_s, t2 - t1)
+        return self.current
+
+    def _init_process_group(self, a: Assignment, store: EtcdStore) -> GroupConnections:
+        """``init_process_group`` for ``a`` over ``store``, under the formation timeout
+        (:meth:`init_timeout_s`), then the collective timeout; the connections it opened."""
+        init_timeout_s = self.init_timeout_s(a.size)
+        with GroupConnections.capture(exclude=self._is_etcd) as connections:
+            dist.init_process_group(
+                self.backend, store=store, rank=a.rank, world_size=a.size,
+                timeout=timedelta(seconds=init_timeout_s),
+            )
+            if init_timeout_s < self.collective_timeout_s:
+                assert _SET_GROUP_TIMEOUT is not None  # else init_timeout_s is that
+                _SET_GROUP_TIMEOUT(timedelta(seconds=self.collective_timeout_s))
+        return connections
 
     def _wait_listed(self, after: int) -> Assignment:
         """``coordinator.wait_generation(after)``, re-checking this peer's own address while
-        it waits (:meth:`_check_own_address`)."""
+        it waits (:meth:`Reachability.check_own_address`)."""
         while True:
-            self._check_own_address(self.coordinator.snapshot())
+            self.reach.check_own_address(self.coordinator.snapshot())
             try:
                 return self.coordinator.wait_generation(after=after,
                                                         timeout=_ADDRESS_RECHECK_S)
@@ -347,7 +352,7 @@ class GroupManager:
         and connections take milliseconds among live peers. A member killed in the middle
         leaves the others waiting inside gloo, out of reach, for five times the group timeout
         (measured on torch 2.13: 150 s at the default 30 s). The formation guard
-        (:mod:`peer_elastic.torch.stranded_connect`) frees them once the group can never
+        (:mod:`peer_elastic.torch.gloo.stranded_connect`) frees them once the group can never
         complete; as a backstop for when it cannot, the group is formed with this shorter
         timeout and given the collective timeout once formed: at least 5 s and
         four times ``join_timeout_s`` (how long a peer may stay silent before it counts as
@@ -378,46 +383,16 @@ class GroupManager:
         group = self.current
         return group is None or group.incarnation == self.coordinator.incarnation
 
-    # -- what the hang watchdog (peer_elastic.torch.abort.WatchedGroups) asks -------------------
+    # -- what the hang watchdog (peer_elastic.torch.gloo.abort.WatchedGroups) asks -------------------
 
     def current_group(self) -> FormedGroup | None:
         """The group this peer is in now (None between groups)."""
         return self.current
 
     def lost_peer(self, group: FormedGroup) -> Loss | None:
-        """Why ``group`` can no longer complete a collective, or None while it can.
-
-        A roster member whose key is gone lost its lease (crashed, hung or cut off), and so
-        did this peer if it lost its registration since the group formed. The training
-        thread gets a join timeout to leave such a group by itself, so that a step merely in
-        progress is not thrown away. None when this peer itself is the one that lost its
-        lease: its step is thrown away anyway, and it registers again only once it is out
-        (``left_lost_registration``). A short one when every lost member's probe port
-        refuses now (its process is gone) and none of them left gracefully: no step that
-        waits on it can complete, and a collective normally fails at once on its closed
-        connections, so the training thread is on its way out already (the grace spares
-        it a race with its own teardown); one still waiting means that something else
-        holds them open (a program it started that inherited them, a child forked outside
-        Python), and would hold this peer there for the whole join timeout.
-        """
-        if group.assignment.size <= 1:
-            return None  # alone: no collective can wait on anyone
-        coord = self.coordinator
-        reason = stop_reason(coord, group, causes=CANNOT_COMPLETE)
-        if reason is None or reason.cause is StopCause.JOB_DONE:
-            return None  # finished: peers leave one by one, nothing is stuck
-        own = reason.cause is StopCause.LEASE_LOST or (
-            reason.cause is StopCause.PEER_LOST and coord.member_id in reason.lost)
-        if own:
-            return Loss(reason.detail, 0.0)
-        if reason.cause is StopCause.PEER_LOST and not (
-                set(reason.lost) & coord.snapshot().drains):
-            deaths = all_gone(group.probes, reason.lost)
-            if deaths is not None:
-                return Loss(f"{reason.detail}; " + ", ".join(
-                    f"{d.member_id}: {d.describe()}" for d in deaths),
-                    min(_DEAD_PEER_GRACE_S, self._join_timeout_s()))
-        return Loss(reason.detail, self._join_timeout_s())
+        """Why ``group`` can no longer complete a collective, or None while it can
+        (:func:`peer_elastic.torch.lost_peer.lost_peer`)."""
+        return lost_peer(self.coordinator, group, self._join_timeout_s())
 
     @property
     def has_unmarked_connections(self) -> bool:
@@ -428,7 +403,7 @@ class GroupManager:
     def keep_connections_from_exec(self) -> int:
         """Mark the current generation's gloo connections close-on-exec (gloo opens them
         without), subgroups made so far included; how many. Forked children are handled
-        apart (peer_elastic.parent_only_sockets); a program run by ``os.system`` or
+        apart (peer_elastic.process.parent_only_sockets); a program run by ``os.system`` or
         ``posix_spawn`` gets no Python between fork and exec, and would hold them open
         for as long as it runs."""
         self._unmarked = False  # first: a group made during the scan marks it again
@@ -472,195 +447,6 @@ class GroupManager:
         self.stats.collective_abandoned()
         self.coordinator.record_event("collective abandoned", why, generation=n)
         return True
-
-    # -- reachability of the roster's advertised addresses (peer_elastic.netaddr) ---------------
-
-    def waited_on_peers(self, waited_s: float) -> None:
-        """The training thread has waited on its peers for ``waited_s`` without a break (the
-        hang monitor says so about every second while it does).
-
-        Two things end such a wait late or never, and both are looked for on a thread of
-        their own once it has lasted 2 s, then every 5 s while it lasts:
-
-        * a member that died while something else holds its connections open (a program it
-          started inherited them): nothing fails here, and the leader, which sees every
-          ack, has no reason to probe it. A refused probe is proof: the generation is
-          marked broken, naming it, so the leader confirms the death and drops it, and
-          the hang watchdog abandons the group after a short grace (:meth:`lost_peer`).
-        * a member cut off from the others but not from etcd keeps its lease. Once the wait
-          has lasted two join timeouts too, the unreachable members are reported
-          (:mod:`peer_elastic.etcd.reach`): the leader leaves the cut-off side out, and the
-          hang watchdog abandons the group (cause ``CUT_OFF``).
-
-        A live member answers the probe however slow or stopped it is (its kernel
-        accepts), so a straggler costs this only a few connections.
-        """
-        group = self.current
-        if group is None or group.assignment.size <= 1:
-            return
-        if waited_s < _STALL_PROBE_AFTER_S:
-            return
-        reach = waited_s >= 2 * self._join_timeout_s()
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next_stall_probe or (
-                    self._stall_probe is not None and self._stall_probe.is_alive()):
-                return
-            self._next_stall_probe = now + _STALL_PROBE_EVERY_S
-            self._stall_probe = threads.start(self._probe_waited_group, "stall-probe",
-                                              args=(group, waited_s, reach))
-
-    def _probe_waited_group(self, group: FormedGroup, waited_s: float, reach: bool) -> None:
-        try:
-            if group is not self.current:
-                return
-            context = f"a collective has waited {waited_s:.0f} s"
-            dead = refusing(group.probes)
-            if dead:
-                names = _where(t for t, _ in dead)
-                log.warning("generation %d: %s: %s died (probe refused)", group.generation,
-                            context, names)
-                self.coordinator.mark_broken(group.generation, f"{names} died ({context}; probe refused)")
-            elif reach:
-                self._report_unreachable(group.assignment, context)
-        except Exception:  # a thread of its own: nothing else would see it fail
-            log.exception("probing generation %d's members failed", group.generation)
-
-    def _report_unreachable(self, a: Assignment, context: str) -> None:
-        """Probe ``a``'s roster and :meth:`name <_name_unreachable>` the members that do not
-        answer."""
-        try:
-            problems = self._unreachable(a)
-        except PeerElasticError as exc:  # this peer's own address, etcd: the rendezvous says
-            log.debug("probing generation %d's members: %s", a.generation, exc)
-            return
-        self._name_unreachable(a, problems, context)
-
-    def _name_unreachable(self, a: Assignment, problems: dict[str, str],
-                          context: str = "") -> None:
-        """Name the members in ``problems`` (from :meth:`_unreachable`) at once: ERROR lines,
-        the record the leader reads (:mod:`peer_elastic.etcd.reach`: it leaves the smaller
-        side of a cut out, so a member that keeps its lease but not its network stalls
-        nobody for long), and an event."""
-        if not problems:
-            return
-        for line in problems.values():
-            log.error("generation %d: %s%s", a.generation, f"{context}: " if context else "",
-                      line)
-        self._reach.report(a.generation, problems)  # first: it is what frees the others
-        self.coordinator.record_event("unreachable peer", "; ".join(problems.values())[:1000],
-                                      generation=a.generation)
-
-    def _unreachable(self, a: Assignment) -> dict[str, str]:
-        """Member id -> a line saying why, for each roster member whose advertised group
-        address this peer cannot reach.
-
-        Raises :class:`ConfigError` when this peer itself advertises a loopback address
-        while a member on another host does not: nobody else can ever reach it.
-        """
-        coord = self.coordinator
-        snap = coord.snapshot()
-        mine = self._check_own_address(snap)
-        others = [snap.members[m] for m in a.roster
-                  if m != coord.member_id and m in snap.members]
-        targets = [m for m in others if m.record.net_address and m.record.probe_port]
-        if not targets:
-            return {}
-        timeout = self._probe_timeout_s()
-        with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
-            whys = list(pool.map(lambda m: probe(m.record.net_address, m.record.probe_port,
-                                                 timeout), targets))
-        return {m.id: f"{m.id} on host {m.host} advertises {m.record.net_address} for its "
-                f"process groups, but this peer ({coord.member_id} on host {coord.host}, "
-                f"{mine or 'no address'}) cannot reach "
-                f"{host_port(m.record.net_address, m.record.probe_port)}: {why}; {FIX}"
-                for m, why in zip(targets, whys, strict=True) if why is not None}
-
-    def _check_own_address(self, snap: ViewSnapshot) -> str:
-        """This peer's advertised group address. Raises :class:`ConfigError` when it is a
-        loopback address while a member on another host advertises a real one: nobody else
-        can ever reach it. Checked before every rendezvous and while waiting as a standby
-        (the others' reports cut such a peer off, so it may never reach a rendezvous)."""
-        coord = self.coordinator
-        me = snap.members.get(coord.member_id)
-        mine = me.record.net_address if me is not None else ""
-        if mine and is_loopback(mine):
-            for m in snap.by_age:
-                addr = m.record.net_address
-                if addr and not is_loopback(addr) and m.host != coord.host:
-                    raise ConfigError(
-                        f"this peer ({coord.member_id}, host {coord.host}) advertises the "
-                        f"loopback address {mine} for its process groups, but {m.id} on host "
-                        f"{m.host} is at {addr}: no other host can reach it (etcd is reached "
-                        f"over loopback here, so the route to etcd names no network "
-                        f"interface); {FIX}")
-        return mine
-
-    def _probe_timeout_s(self) -> float:
-        return max(0.5, min(2.0, self.collective_timeout_s / 4))
-
-    def _probe_member(self, member_id: str) -> str | None:
-        """Why ``member_id``'s group address does not answer now; None when it does, or when
-        it is no member any more (for :class:`~peer_elastic.etcd.reach.ReachReporter`)."""
-        m = self.coordinator.snapshot().members.get(member_id)
-        if m is None or not m.record.net_address or not m.record.probe_port:
-            return None
-        return probe(m.record.net_address, m.record.probe_port, self._probe_timeout_s(),
-                     attempts=1)
-
-    def _wait_reachable(self, a: Assignment, pending: GroupId) -> bool:
-        """Before ``init_process_group``: True once every roster member's address answers.
-
-        Otherwise the unreachable members are named (ERROR, and an event) at once, not at
-        gloo's timeout, and this waits (re-probing) until the generation is superseded (a
-        dead member's lease ran out: False), the member answers (True), or the collective
-        timeout has passed (marks the generation broken and returns False).
-        """
-        problems = self._unreachable(a)  # this peer's own ConfigError goes to its caller
-        if not problems:
-            return True
-        self._name_unreachable(a, problems)
-        deadline = time.monotonic() + self.collective_timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            if self._abort_reason(pending) is not None:
-                return False  # superseded (e.g. the unreachable member left): move on
-            self.coordinator.check()
-            problems = self._unreachable(a)
-            if not problems:
-                log.info("generation %d: every member is reachable now", a.generation)
-                return True
-            self._reach.report(a.generation, problems)
-        self.coordinator.mark_broken(a.generation, "unreachable: " + "; ".join(problems.values()))
-        return False
-
-    def _why_forming_is_stuck(self, a: Assignment) -> str | None:
-        """This rank has been forming ``a``'s group for longer than a join timeout: why it
-        never will, or None while nothing says so.
-
-        A roster member whose probe port refuses connections died there, after it
-        acknowledged the generation (so the leader's ack wait misses it). Then the
-        generation is marked broken, so that the leader writes the next one, and the reason
-        is returned. Members that do not answer at all are reported unreachable; the
-        cut-off rule then dooms the group (``CUT_OFF``) and the guard acts on that.
-
-        Probes as the death prober does (:mod:`peer_elastic.etcd.deaths`): only a refusal
-        is proof, and loopback addresses only in a job on loopback."""
-        coord = self.coordinator
-        snap = coord.snapshot()
-        targets = probeable(snap, coord.member_id,
-                            [m for i in a.roster if (m := snap.members.get(i)) is not None])
-        if not targets:
-            return None
-        dead = [t for t, _ in refusing(targets)]
-        if not dead:  # or cut off from this peer by the network
-            self._report_unreachable(a, "the group has been forming for long")
-            return None
-        names = _where(dead)
-        log.warning("generation %d: %s died while the group formed (probe refused)",
-                    a.generation, names)
-        self.coordinator.mark_broken(a.generation, f"{names} died while the group formed")
-        return f"{names} died while the group formed (probe refused)"
 
     def _commit(self, a: Assignment, pending: GroupId) -> bool:
         """Pass the commit point of ``a``'s rendezvous; False when this peer withdrew

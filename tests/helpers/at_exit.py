@@ -10,12 +10,12 @@ import faulthandler
 import signal
 import threading
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 #: Starts the line a worker prints at exit when threads besides its main one still run:
 #: ``THREADS-AT-EXIT ours=[...] others=[...]`` (ours: started by peer-elastic; others: by
 #: the libraries, such as gRPC's). None of ours may be left after join()
-#: (peer_elastic.threads): procs.assert_no_thread_of_ours_left checks.
+#: (peer_elastic.process.threads): procs.assert_no_thread_of_ours_left checks.
 PREFIX = "THREADS-AT-EXIT"
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.torch.abort import GroupConnections
+from peer_elastic.torch.gloo.abort import GroupConnections
 from peer_elastic.torch.group import destroy_default_group
 
 

@@ -130,7 +130,7 @@ import torch.distributed as dist
 from torch import nn
 
 import peer_elastic as pe
-from peer_elastic.parent_death import die_with_parent
+from peer_elastic.process.parent_death import die_with_parent
 from tests.helpers import at_exit
 from tests.helpers.stall_stacks import StallStacks
 

@@ -32,7 +32,7 @@ from peer_elastic.errors import JobFinished
 from peer_elastic.etcd.client import EtcdClient
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.keys import KeyKind, parse
-from peer_elastic.probe_listener import ProbeListener
+from peer_elastic.process.probe_listener import ProbeListener
 from peer_elastic.torch.group import GroupManager, is_collective_failure
 from peer_elastic.torch.store import EtcdStore
 

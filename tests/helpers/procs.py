@@ -160,7 +160,7 @@ def native_stacks(pid: int, timeout: float = 90.0) -> str:
 def assert_no_thread_of_ours_left(p: PeerProc) -> None:
     """``p`` (a test worker, which reports at exit: tests/helpers/at_exit.py) exited with
     no thread of peer-elastic, nor a watch thread of its etcd client, still running: one
-    running into the interpreter's exit can abort or hang it (peer_elastic.threads).
+    running into the interpreter's exit can abort or hang it (peer_elastic.process.threads).
 
     gRPC's own helper threads may show in ``others`` for a moment, woken but not yet
     scheduled (a stream's request sender, handed the end of its requests): pure Python

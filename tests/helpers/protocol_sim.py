@@ -7,7 +7,7 @@ commits every k steps (the flags all-reduce, then the merge of local progress, t
 and restore after a failed collective. Events land inside any of those collectives: a crash
 (the dying rank contributed or not; a completed all-reduce reached a random subset of the
 others), a graceful leave, a join, a member parked by a resize and brought back later. Each
-new group decides with the real :func:`peer_elastic.agreement.agree`.
+new group decides with the real :func:`peer_elastic.state.agreement.agree`.
 
 The model is a counter: ``counts[i]`` is how often sample ``i`` reached the model. A state is
 consistent when exactly the samples its progress marks are counted once and no other. The
@@ -24,7 +24,7 @@ import enum
 import random
 from dataclasses import dataclass, field, replace
 
-from peer_elastic.agreement import Agreement, Claim, StateVersion, agree
+from peer_elastic.state.agreement import Agreement, Claim, StateVersion, agree
 
 
 class Rule(enum.Enum):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.abort import GroupConnections
+from peer_elastic.torch.gloo.abort import GroupConnections
 
 TIMEOUT_S = 30.0
 ELEMENTS = 16 * 1024 * 1024  # 64 MB of float32: more than the receiver's buffers take

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.retired_groups import RetiredGroups
+from peer_elastic.torch.gloo.retired_groups import RetiredGroups
 
 
 def main() -> None:

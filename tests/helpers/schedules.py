@@ -251,7 +251,7 @@ OUTAGE_KILL_SHARE = 0.3
 #: beyond ``max_np`` wait as standbys). The first is the shape every plan had before shapes
 #: were drawn; the others are what users also run: two peers where a crash leaves one to train
 #: alone, ``min_np=1``, no standby, a roster of four, five peers. Never ``max_np=1``: a kill of
-#: the only roster member leaves nobody holding the state (peer_elastic.lost_state).
+#: the only roster member leaves nobody holding the state (peer_elastic.state.lost_state).
 SHAPES = ((4, 2, 3), (2, 1, 2), (3, 1, 2), (3, 2, 3), (4, 1, 4), (3, 1, 3), (5, 2, 4))
 #: The share of plans with the first shape.
 FIRST_SHAPE_SHARE = 0.4

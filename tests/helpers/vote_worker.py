@@ -6,7 +6,7 @@ With ``WORKER_DDP=1`` DDP averages the gradients instead, rebuilt in a reset cal
 
 Prints ``COUNTED <all-reduces> <steps>`` on every rank at the end. WORKER_STEPS: steps.
 With ``WORKER_PLAIN=1`` it makes only the checks, back to back (no step carries the vote: each
-check's own exchange does, every P-th check, peer_elastic.torch.check_cadence), and prints
+check's own exchange does, every P-th check, peer_elastic.torch.check.check_cadence), and prints
 ``CHECKS <check_exchanges> <checks_spaced>`` too.
 """
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "peer_elastic.state"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "peer_elastic.state.states"])
 
 
 def _entry(fn, rank: int, world: int, port: int, outdir: str) -> None:

@@ -4,11 +4,11 @@ they name.
 Before it connects a group's full mesh, each rank of a gloo group writes one record to the
 store: its hostname, its device listener's address and one pair sequence number per rank
 (gloo ``transport/tcp/context.cc``, ``Rank::bytes``); the other ranks read it to connect.
-Two parts use them: the formation guard (:mod:`peer_elastic.torch.stranded_connect`) reads
+Two parts use them: the formation guard (:mod:`peer_elastic.torch.gloo.stranded_connect`) reads
 this rank's own record, and :class:`GlooListeners` collects every record a generation's
 store carries, subgroups' included, so that the connections of groups made at any time in
 the generation can be told apart from everything else (:meth:`GroupConnections.touching
-<peer_elastic.torch.abort.GroupConnections.touching>`).
+<peer_elastic.torch.gloo.abort.GroupConnections.touching>`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peer_elastic.netaddr import plain_ip
+from peer_elastic.process.netaddr import plain_ip
 
 __all__ = ["GlooListeners", "GlooRankRecord", "parse_gloo_rank"]
 

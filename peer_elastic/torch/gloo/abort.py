@@ -15,7 +15,7 @@ operation of that group then raises "Connection closed by peer" on this rank, an
 peer connected to it, which the run loop already handles as a failed collective: restore
 the last commit and re-form. An abandon ends only this rank's side instead
 (:meth:`GroupConnections.shut_for_reading`) and holds the connections open, so that nothing
-reaches a frozen peer (:mod:`peer_elastic.torch.held_connections` says why). nccl has a
+reaches a frozen peer (:mod:`peer_elastic.torch.gloo.held_connections` says why). nccl has a
 real abort, which the group manager uses.
 
 :class:`HangWatchdog` decides when: a member of the group this peer trains in has lost its
@@ -45,9 +45,9 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from peer_elastic import threads
-from peer_elastic.netaddr import plain_ip
-from peer_elastic.process_sockets import open_socket, socket_inodes, tcp_ends
+from peer_elastic.process import threads
+from peer_elastic.process.netaddr import plain_ip
+from peer_elastic.process.sockets import open_socket, socket_inodes, tcp_ends
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class GroupConnections:
     @classmethod
     def touching(cls, endpoints: Collection[tuple[str, int]]) -> GroupConnections:
         """The connections open now whose local or remote end is one of ``endpoints``
-        (plain ip, port): gloo's listeners (:class:`~peer_elastic.torch.gloo_records.
+        (plain ip, port): gloo's listeners (:class:`~peer_elastic.torch.gloo.gloo_records.
         GlooListeners`). A connection accepted by a listener has the listener's address
         as its local end; one made to it, as its remote end. Listeners are not included."""
         if not endpoints:
@@ -148,7 +148,7 @@ class GroupConnections:
     def shut_for_reading(self) -> list[socket.socket]:
         """End this rank's pending and later operations on every remembered connection
         still open, and tell the other end nothing; return a duplicate of each connection
-        shut, which keeps it established (hold them: :mod:`peer_elastic.torch.held_connections`
+        shut, which keeps it established (hold them: :mod:`peer_elastic.torch.gloo.held_connections`
         says why).
 
         ``shutdown(SHUT_RD)`` makes gloo's loop read end-of-file: it fails the pair's waits

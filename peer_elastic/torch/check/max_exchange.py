@@ -6,7 +6,7 @@ the training thread right after a step, when the caches are cold. Done the obvio
 element assignments go through the dispatcher with a temporary scalar tensor each, and
 ``dist.all_reduce``'s Python wrapper checks its argument, looks the group up and builds its
 options anew. Here the buffer is written through a NumPy view (CPU) and the op issued by
-:mod:`peer_elastic.torch.direct_all_reduce`. Measured on the 2-core test machine (gloo),
+:mod:`peer_elastic.torch.transport.direct_all_reduce`. Measured on the 2-core test machine (gloo),
 interleaved with the obvious way: issuing the exchange in a synthetic loop (matrix products
 and a 0.4M-element all-reduce between issues) took 90 instead of 180 µs at 2 ranks; inside
 ``check_host_updates()`` after a hand-written training step at 4 ranks, 115 instead of 140
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.direct_all_reduce import all_reduce_now, start_all_reduce
+from peer_elastic.torch.transport.direct_all_reduce import all_reduce_now, start_all_reduce
 
 __all__ = ["MaxExchange"]
 

@@ -8,12 +8,12 @@ by the run loop; rank 0 outside it) after a new process group is formed.
 Why it is shaped this way:
 
 * ``commit`` runs every few batches, so handlers copy tensors into buffers they keep
-  (``peer_elastic.torch.snapshots``) instead of ``deepcopy``/pickle per commit.
+  (``peer_elastic.torch.transport.snapshots``) instead of ``deepcopy``/pickle per commit.
 * ``sync`` runs after resets, when everybody waits for it, so it sends tensors in large flat
-  buckets (``peer_elastic.torch.collectives``) instead of one pickled object per tensor.
+  buckets (``peer_elastic.torch.transport.collectives``) instead of one pickled object per tensor.
 * Anything received from another peer is untrusted input: plain values travel as tagged JSON
-  (``peer_elastic.codec``), never pickle. Other types need a handler
-  (``peer_elastic.handlers``).
+  (``peer_elastic.state.codec``), never pickle. Other types need a handler
+  (``peer_elastic.state.handlers``).
 
 How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
 
@@ -31,7 +31,7 @@ How the elastic run loop (``peer_elastic.elastic.Peer``) uses a state::
 
 The checker makes a commit safe under failures: it first agrees with the other ranks (one
 all-reduce), merges progress some rank recorded only locally (``record_indices``), and only
-then calls ``record_commit()`` (save and count); see ``peer_elastic.agreement``.
+then calls ``record_commit()`` (save and count); see ``peer_elastic.state.agreement``.
 """
 
 from __future__ import annotations
@@ -45,23 +45,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.handlers import (
+from peer_elastic.state.codec import copy_plain, decode_values, encode_values
+from peer_elastic.state.handlers import (
     StateHandler,
     describe_for_sync,
     make_handler,
     register_handler,
 )
-from peer_elastic.torch.collectives import (
-    LayoutCheck,
+from peer_elastic.state.protocol import HostChecker
+from peer_elastic.torch.transport.collectives import (
     SourceCannotSend,
     broadcast_bytes,
     broadcast_tensors,
-    broadcast_validated,
-    is_sync_source,
-    start_layout_check,
     world_size,
 )
+from peer_elastic.torch.transport.layout_check import (
+    LayoutCheck,
+    broadcast_validated,
+    start_layout_check,
+)
+from peer_elastic.torch.transport.sync_source import is_sync_source
 
 __all__ = ["ObjectState", "State", "TorchState"]
 
@@ -83,12 +86,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-HostChecker = Callable[["State", bool], None]
-"""What ``commit()`` (``committing=True``) and ``check_host_updates()`` call once a run loop
-attached one: ``checker(state, committing)``. It may raise HostsUpdatedInterrupt; when
-committing it calls ``state.record_commit()`` once the ranks agreed."""
 
 
 class State:

@@ -1,10 +1,10 @@
 """How many plain checks pass between two generation exchanges.
 
-The exchange of :mod:`peer_elastic.torch.pending_check` costs one gloo all-reduce issued and
+The exchange of :mod:`peer_elastic.torch.check.pending_check` costs one gloo all-reduce issued and
 completed: about 0.2 ms on the 2-core test machine. At every check that is 2-3 % of an
 8 ms step and 10 % of a 2 ms one. So a plain check exchanges only every ``P``-th time, where
 ``P`` is the smallest period any rank of the group proposes, agreed through the exchange
-itself (:class:`~peer_elastic.torch.pending_check.PendingResult`):
+itself (:class:`~peer_elastic.torch.check.pending_check.PendingResult`):
 
 * each rank proposes enough checks that its exchanges cost at most :data:`BUDGET` of the
   time between its checks,

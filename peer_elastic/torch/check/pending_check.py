@@ -12,9 +12,9 @@ One job: hold at most one op, of one group. The op belongs to the group it was i
 completing it under another group (after a reset) drops it unread instead, so a destroyed
 group's op is never waited on in the next group. The buffer lives on the device the caller
 names (CPU for gloo, CUDA for nccl) and is filled, issued and read by
-:class:`~peer_elastic.torch.max_exchange.MaxExchange` (cheaply: the issue is on the
+:class:`~peer_elastic.torch.check.max_exchange.MaxExchange` (cheaply: the issue is on the
 training step's critical path). The op also agrees on how many checks pass until the next
-one (:mod:`peer_elastic.torch.check_cadence`).
+one (:mod:`peer_elastic.torch.check.check_cadence`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from peer_elastic.torch.max_exchange import MaxExchange
+from peer_elastic.torch.check.max_exchange import MaxExchange
 
 __all__ = ["PendingCheck", "PendingResult"]
 

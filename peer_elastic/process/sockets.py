@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Collection
 
-from peer_elastic.netaddr import plain_ip
+from peer_elastic.process.netaddr import plain_ip
 
 __all__ = ["Address", "keep_from_exec", "open_socket", "socket_inodes", "tcp_ends"]
 

@@ -3,7 +3,7 @@ or DDP's with :func:`peer_elastic.allreduce_hook` (:mod:`peer_elastic.ddp_hook`)
 
 ``check_host_updates()`` must make every rank raise at the same call, which needs one
 agreed bit per check: "does some rank know of a newer generation (or must stop)?". On its
-own that bit costs a collective per check (:mod:`peer_elastic.torch.pending_check`), and on
+own that bit costs a collective per check (:mod:`peer_elastic.torch.check.pending_check`), and on
 a busy machine that collective is most of a check's cost and several percent of a small
 step. A job whose gradients are averaged by ``DistributedOptimizer`` already runs a SUM
 all-reduce every step on every rank, so the bit rides along for free: each rank appends one

@@ -30,8 +30,8 @@ import os
 import threading
 from collections.abc import Iterable
 
-from peer_elastic.netaddr import plain_ip
-from peer_elastic.process_sockets import Address, socket_inodes, tcp_ends
+from peer_elastic.process.netaddr import plain_ip
+from peer_elastic.process.sockets import Address, socket_inodes, tcp_ends
 
 __all__ = ["ParentOnlySockets"]
 

@@ -18,7 +18,7 @@ In cases 1, 2 and 4 (non-loopback) the interface is handed to gloo (and nccl) th
 ignores ``pg_options`` for gloo). gloo then binds to the interface's first address, which is
 what the peer advertises (:attr:`NetChoice.address`, the member record's ``net_address``).
 
-:class:`~peer_elastic.probe_listener.ProbeListener` accepts TCP connections on that
+:class:`~peer_elastic.process.probe_listener.ProbeListener` accepts TCP connections on that
 address, so that before a group is formed every peer can check that it reaches every other
 (:func:`probe`): an unreachable peer is named with its address and the fix, instead of a
 gloo timeout later.

@@ -1,9 +1,9 @@
 """The listener every peer keeps on its group address: it accepts and closes.
 
 Two uses: the others check that they reach this peer before a group forms
-(:func:`peer_elastic.netaddr.probe`), and a connection it *refuses* proves this peer's
+(:func:`peer_elastic.process.netaddr.probe`), and a connection it *refuses* proves this peer's
 process is gone (:mod:`peer_elastic.etcd.deaths`). For the second, no forked child may keep
-it open after the peer dies (:mod:`peer_elastic.parent_only_sockets`).
+it open after the peer dies (:mod:`peer_elastic.process.parent_only_sockets`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
-from peer_elastic import threads
-from peer_elastic.parent_only_sockets import ParentOnlySockets
+from peer_elastic.process import threads
+from peer_elastic.process.parent_only_sockets import ParentOnlySockets
 
 __all__ = ["ProbeListener"]
 
@@ -45,7 +45,7 @@ class ProbeListener:
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop listening; wait (bounded) for the thread, which must not outlive the peer
-        (peer_elastic.threads)."""
+        (peer_elastic.process.threads)."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()

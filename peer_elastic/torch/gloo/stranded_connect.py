@@ -44,10 +44,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from peer_elastic import threads
-from peer_elastic.process_sockets import socket_inodes
-from peer_elastic.torch.abort import Changes, GroupConnections
-from peer_elastic.torch.gloo_records import GlooRankRecord, parse_gloo_rank
+from peer_elastic.process import threads
+from peer_elastic.process.sockets import socket_inodes
+from peer_elastic.torch.gloo.abort import Changes, GroupConnections
+from peer_elastic.torch.gloo.gloo_records import GlooRankRecord, parse_gloo_rank
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType, TracebackType
 from typing import Any
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 __all__ = ["SignalRelay"]
 

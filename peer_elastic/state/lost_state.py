@@ -2,7 +2,7 @@
 
 The state lives only in the peers' memory (and in durable snapshots, where configured). A
 group in which no rank holds committed state (every claim at the initial
-:class:`~peer_elastic.agreement.StateVersion`) is the first group of a run, or what is left
+:class:`~peer_elastic.state.agreement.StateVersion`) is the first group of a run, or what is left
 after every peer that held the state died at once while others lived: the whole roster
 killed with standbys waiting, a host cut off that carried every trained peer. Those two look
 the same to the group, and the second must not pass in silence: training would start again
@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peer_elastic.agreement import StateVersion
 from peer_elastic.records import StateRecord
+from peer_elastic.state.agreement import StateVersion
 
 __all__ = ["MARK_PERIOD_S", "LostState", "StateMarker", "lost_state"]
 

@@ -41,7 +41,7 @@ import threading
 import weakref
 from typing import Any
 
-from peer_elastic import threads
+from peer_elastic.process import threads
 
 __all__ = ["RetiredGroups"]
 
@@ -114,6 +114,10 @@ class RetiredGroups:
         def drop() -> None:
             box.clear()  # the ProcessGroup destructors run here, the GIL released
 
+        # Not through process.threads: join()'s cleanup waits for its threads a bounded while,
+        # then warns that the process may abort. A destructor may run longer (up to the
+        # collective timeout), and the atexit hook above waits for it longer still; so the
+        # helpers are tracked here, by that hook and release(), and nowhere else.
         helper = threading.Thread(target=drop, name=_HELPER_NAME, daemon=True)
         _running.add(helper)
         helper.start()

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peer_elastic.torch.collectives import (
+from peer_elastic.torch.transport.collectives import (
     all_reduce_max_inplace,
     broadcast_inplace,
     world_from_dist,

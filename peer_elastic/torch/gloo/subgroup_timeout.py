@@ -5,7 +5,7 @@ a ``timeout`` gives the group torch's default: 30 minutes for gloo, 10 for nccl.
 whose collective in such a group cannot end any other way waits that long. Such a case
 exists: a peer frozen (SIGSTOP, swapping) past its lease may wake with a send that gloo had
 queued (frozen in the middle of a large send, or its connections reset meanwhile:
-:mod:`peer_elastic.torch.held_connections`). gloo ends the pair's other waits on the error,
+:mod:`peer_elastic.torch.gloo.held_connections`). gloo ends the pair's other waits on the error,
 but not that send (``Pair::signalException`` skips queued unbound-buffer sends), so it waits
 out its group's timeout before that peer can rejoin (the others train on meanwhile: it
 registers again only once it has left the old group,

@@ -3,7 +3,7 @@
 One :class:`StateHandler` per object: modules, optimizers, LR schedulers, samplers and
 tensors have built-in handlers; ``register_handler(type, factory)`` adds one for a user type
 (consulted first, in registration order). Handlers sync with the collectives of
-:mod:`peer_elastic.torch.collectives`, so nothing is pickled.
+:mod:`peer_elastic.torch.transport.collectives`, so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from peer_elastic.codec import copy_plain, decode_values, encode_values
-from peer_elastic.sampler import ElasticSampler
-from peer_elastic.torch.collectives import (
+from peer_elastic.state.codec import copy_plain, decode_values, encode_values
+from peer_elastic.state.sampler import ElasticSampler
+from peer_elastic.torch.transport.collectives import (
     broadcast_bytes,
     broadcast_plain,
     broadcast_tensors,
-    sync_source,
     world_size,
 )
-from peer_elastic.torch.snapshots import Buffers, copy_all, same_meta
+from peer_elastic.torch.transport.snapshots import Buffers, copy_all, same_meta
+from peer_elastic.torch.transport.sync_source import sync_source
 
 __all__ = [
     "HandlerFactory",
@@ -284,9 +284,10 @@ class OptimizerHandler(StateHandler):
 
     save/restore copy tensors into/out of kept buffers and snapshot plain values; restore
     also re-creates state entries created after the save and deletes ones that did not
-    exist then. sync first broadcasts a JSON description of rank 0's state (which params
-    have state, each tensor's key/dtype/shape, the plain values), so a rank whose optimizer
-    never stepped allocates matching tensors; then all tensors go in flat buckets.
+    exist then. sync first broadcasts a JSON description of the sync source's (the newest
+    holder's) state (which params have state, each tensor's key/dtype/shape, the plain
+    values), so a rank whose optimizer never stepped allocates matching tensors; then all
+    tensors go in flat buckets.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -407,13 +408,14 @@ class OptimizerHandler(StateHandler):
             tensors.append(live[key])
 
     def _materialize(self, desc: dict[str, Any]) -> list[torch.Tensor]:
-        """Make this optimizer's structure match rank 0's description; return the tensors to
-        receive into, in description order."""
+        """Make this optimizer's structure match the sync source's (the newest holder's)
+        description; return the tensors to receive into, in description order."""
         opt = self.value
         params = self._params()
         groups, state = desc["groups"], desc["state"]
         if len(groups) != len(opt.param_groups) or len(state) != len(params):
-            raise ValueError("optimizer param groups differ from rank 0")
+            raise ValueError("optimizer param groups differ from the sync source's "
+                             f"(rank {sync_source()}, the newest holder)")
         tensors: list[torch.Tensor] = []
         for group, group_desc in zip(opt.param_groups, groups, strict=True):
             device = group["params"][0].device if group["params"] else torch.device("cpu")
