@@ -206,6 +206,10 @@ class Peer:
         commit, raise if a new generation is pending. A rank whose collective fails never
         gets to save or keep the step: it restores its last commit, whose progress was
         merged (see ``peer_elastic.state.agreement``).
+
+        At the top, about once a second at the same checks on every rank, the straggler
+        watch completes and issues its exchange of paces (:mod:`peer_elastic.straggler`):
+        the one collective a check after an optimizer step otherwise never runs.
         """
         group = self._group
         if group is None:
@@ -404,6 +408,7 @@ class Peer:
         """The training function returned on every rank: complete the last check's op (every
         rank issued it), so the group is never torn down under it. Its answer no longer
         matters, and neither does its failure (a peer that died since): the run is done."""
+        self.straggler.settle()  # the exchange of paces in flight, likewise
         try:
             self._checks.complete_quietly(self._group)
         except Exception as exc:
@@ -415,6 +420,7 @@ class Peer:
         """We are out of the roster: wait (bounded) until the others formed, then go."""
         log.info("%s", why)
         self._checks.drop()
+        self.straggler.drop()
         coord = self.coordinator
         snap = coord.snapshot()
         gen = snap.generation

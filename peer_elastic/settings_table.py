@@ -143,7 +143,9 @@ STRAGGLER_THRESHOLD = _job("straggler_threshold", "PEER_ELASTIC_STRAGGLER_THRESH
                            "a peer whose own time per step (outside waits on the others) is "
                            "this many times the median of the others' is slow (above 1)")
 STRAGGLER_WINDOW = _job("straggler_window_s", "PEER_ELASTIC_STRAGGLER_WINDOW", float, 60.0,
-                        "a peer slow at every measurement for this long is a straggler")
+                        "a peer slow for this long is a straggler: its score reached the "
+                        "threshold and stayed above halfway between 1 and it (measured about "
+                        "once a second; one measurement under it is taken for noise)")
 STRAGGLER_COOLDOWN = _job("straggler_cooldown_s", "PEER_ELASTIC_STRAGGLER_COOLDOWN", float, 60.0,
                           "after a group forms (the job's start, every reset, an eviction), "
                           "nobody is judged for this long: warm-up is not a straggler")

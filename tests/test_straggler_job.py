@@ -7,7 +7,8 @@ library. What must happen:
 * ``report``: a ``straggler`` event naming that peer, its host and its score, within the
   window plus a few exchanges (measurements come about once a second), once; ``status``
   shows its score; the job finishes exactly once;
-* ``evict``: the peer leaves at a check, exits 7, and the other three go on, nothing redone
+* ``evict`` (slowed further, to a seventh): the peer leaves at a check, exits 7, and the
+  other three go on, nothing redone
   (the new generation's cause is a graceful leave), and the job finishes exactly once;
 * a clean run of four full-speed peers: no event, no eviction;
 * a slowdown shorter than the window: no event, no eviction;
@@ -47,11 +48,14 @@ pytestmark = pytest.mark.slow
 WINDOW_S = 5.0
 COOLDOWN_S = 2.0
 THRESHOLD = 2.0
-#: How late after the window a straggler may be reported: the first measurement that is
-#: all slow ends up to two exchanges after the slowdown began, the verdict comes at the
-#: exchange after the window, and the throttled peer writes the event while it runs; plus
-#: room for a loaded machine.
-LATE_S = 3 * EXCHANGE_EVERY_S + 3.0
+#: How many exchanges a straggler may be reported after the window: the first measurement
+#: that is all slow ends up to two exchanges after the slowdown began, and the verdict
+#: comes at the exchange after the window. An exchange comes about every
+#: EXCHANGE_EVERY_S, or every check when checks are further apart: on a loaded machine a
+#: throttled job's checks are seconds apart.
+LATE_EXCHANGES = 3
+#: And room for the throttled peer to write the event, on a loaded machine.
+LATE_S = 3.0
 #: How long the clean run trains (four peers at full speed).
 CLEAN_RUN_S = 60.0
 
@@ -90,11 +94,11 @@ def straggler_events(client: EtcdClient, job: str) -> list[EventRecord]:
 
 
 def poll(what: str, find: Callable[[], object], timeout: float) -> object:
-    """What ``find`` returns once it is truthy (etcd, read every 0.2 s: bounded)."""
+    """What ``find`` returns once it is truthy (etcd, read every 0.5 s: bounded)."""
     deadline = time.monotonic() + timeout
     while not (found := find()):
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
+        time.sleep(0.5)
     return found
 
 
@@ -121,15 +125,19 @@ def test_a_throttled_peer_is_reported_once_within_the_window(
     with DutyCycle(slow.pid):
         began = time.time()
         found = poll("straggler event", lambda: straggler_events(client, unique_job), 60)
+        status = job_status(client, unique_job)
         shown = poll("its score in status", lambda: next(
             (m["straggler_score"] for m in job_status(client, unique_job)["members"]
              if m["id"] == member and (m["straggler_score"] or 0) >= THRESHOLD), None), 30)
         wait_more_steps(peers[0], 3)  # it stays a straggler meanwhile: no second event
     event = found[0]  # type: ignore[index]
     assert (event.kind, event.member_id) == ("straggler", member)
+    # Its score: the median of the slow run, at least the threshold.
     assert event.host and event.score >= THRESHOLD and "reported" in event.detail, event
     took = event.unix - began
-    assert took <= WINDOW_S + LATE_S, f"reported {took:.1f} s after the slowdown began"
+    exchange_s = max(EXCHANGE_EVERY_S, status["pace"]["step_s"])  # a check, when longer
+    assert took <= WINDOW_S + LATE_EXCHANGES * exchange_s + LATE_S, (
+        f"reported {took:.1f} s after the slowdown began (checks {exchange_s:.1f} s apart)")
     assert shown >= THRESHOLD  # type: ignore[operator]
     end.touch()
     result = assert_exactly_once(peers)
@@ -145,7 +153,10 @@ def test_an_evicted_straggler_leaves_and_the_others_go_on_exactly_once(
     member = member_of(slow)
     others = [p for p in peers if p is not slow]
     measured(client, unique_job, 4)
-    with DutyCycle(slow.pid):
+    # Slower than a third: on a loaded machine every all-reduce waits for descheduled
+    # processes, which the rule counts as communication that stays; a third-speed peer
+    # then need not pay to evict (a run under a load of 22 said so, rightly by its numbers).
+    with DutyCycle(slow.pid, stopped_s=0.3, running_s=0.05):
         code = slow.wait(120)
     assert code == EXIT_STRAGGLER, slow.output()
     assert "as a straggler" in slow.output()
@@ -156,8 +167,8 @@ def test_an_evicted_straggler_leaves_and_the_others_go_on_exactly_once(
     assert gen["world_size"] == 3 and member not in {m["id"] for m in gen["members"]}
     # A graceful leave: the generation without it formed because it left, not because a
     # collective broke (nothing rolled back, nothing redone).
-    (three,) = [e for e in events(client, unique_job) if e.kind == "generation"
-                and e.world_size == 3]
+    three = [e for e in events(client, unique_job) if e.kind == "generation"][-1]
+    assert three.world_size == 3, three
     assert list(three.causes) == [GenerationCause.GENERATION_CAUSE_LEFT], three
     kinds = [(e.kind, e.member_id) for e in straggler_events(client, unique_job)]
     assert kinds == [("straggler", member), ("drain requested", member)], kinds

@@ -17,7 +17,7 @@ PANEL_H, GAP, TOP = 160, 40, 40
 #: Marker colours by event kind (others grey).
 COLOURS = {"generation": "#36c", "expired": "#c33", "left": "#e80", "joined": "#3a3",
            "drain requested": "#e80", "generation formed": "#639", "hung": "#c33",
-           "broken": "#c33", "state_lost": "#c0c", "done": "#000"}
+           "broken": "#c33", "state_lost": "#c0c", "straggler": "#c60", "done": "#000"}
 
 
 def _fmt_time(unix: float) -> str:

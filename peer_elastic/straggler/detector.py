@@ -9,15 +9,16 @@ each exchange and answers with a :class:`Verdict`:
   reasons that pass;
 * a score at or above ``straggler_threshold`` starts a run of slow measurements
   (``SLOW``), and the run holds while the score stays above the *holding level*, halfway
-  between 1 (the group's pace) and the threshold: 1.5 at the default threshold of 2. One
-  measurement below it ends the run. Why not the threshold itself: a measurement is a
-  second of a busy machine, and a peer at a third of the others' speed measured, on the
-  2-core test machine under a load of 14, 4.6, 2.7, 2.1, 2.5, 1.9, ...: one dip under 2
-  restarted the window again and again, and it was never found. A peer back at the
-  group's pace (about 1) ends the run all the same;
+  between 1 (the group's pace) and the threshold: 1.5 at the default threshold of 2. The
+  second measurement in a row at or under it ends the run. Why not one measurement under
+  the threshold: a measurement is a second of a busy machine, and a peer at a third of the
+  others' speed measured, on the 2-core test machine under a load of 15, 2.95, 1.88, 0.97,
+  3.90, 3.86, 1.96, 3.02, ...: each dip restarted the window, and it was never found. A
+  peer back at the group's pace (about 1) ends the run one measurement later;
 * a run that lasts ``straggler_window_s`` makes the peer a straggler (``STRAGGLING``), for
-  as long as it lasts. The first such verdict of an *episode* is marked ``new_episode``:
-  that is the one the event log gets. The episode ends only once the score stayed under
+  as long as it lasts; its score is then the median of the run's (one measurement can be
+  anything from the holding level up). The first such verdict of an *episode* is marked
+  ``new_episode``: that is the one the event log gets. The episode ends only once the score stayed under
   the holding level for a whole window, so a peer that slows down now and then is reported
   once, not at every bout.
 
@@ -31,11 +32,16 @@ One job: that rule, on a clock it is given (a fake one in the tests). No torch, 
 from __future__ import annotations
 
 import enum
+import statistics
 from dataclasses import dataclass
 
 from peer_elastic.straggler.settings import StragglerSettings
 
 __all__ = ["Pace", "StragglerDetector", "Verdict", "holding_level"]
+
+#: The most recent scores of a run kept for its median (a window of an hour, at one a
+#: second: more would only cost memory).
+_RUN_SCORES = 3600
 
 
 def holding_level(threshold: float) -> float:
@@ -53,7 +59,7 @@ class Pace(enum.Enum):
 @dataclass(frozen=True)
 class Verdict:
     pace: Pace
-    score: float
+    score: float  # this measurement's; STRAGGLING: the median of the run's (what to report)
     slow_since: float | None = None  # when this run of slow measurements began
     new_episode: bool = False  # the first STRAGGLING verdict of its episode
 
@@ -64,6 +70,8 @@ class StragglerDetector:
     def __init__(self, started_at: float) -> None:
         self._started_at = started_at  # when the group formed (its first check)
         self._slow_since: float | None = None
+        self._run: list[float] = []  # the scores of the run (for its median)
+        self._dipped = False  # the run's last measurement was at or under the holding level
         self._in_episode = False
         self._steady_since: float | None = None  # under the holding level, in an episode
 
@@ -71,25 +79,36 @@ class StragglerDetector:
         """Drop the current run and episode (the policy was switched off); the cooldown
         stays counted from the group's start."""
         self._slow_since = self._steady_since = None
-        self._in_episode = False
+        self._in_episode = self._dipped = False
 
     def observe(self, now: float, score: float, settings: StragglerSettings) -> Verdict:
         """The verdict on ``score``, measured at ``now`` (the clock given to the start)."""
         if now - self._started_at < settings.cooldown_s:
             self._slow_since = self._steady_since = None
+            self._dipped = False
             return Verdict(Pace.UNJUDGED, score)
-        holding = self._slow_since is not None and score > holding_level(settings.threshold)
-        if score >= settings.threshold or holding:
+        holds = score > holding_level(settings.threshold)
+        if self._slow_since is not None and not holds and not self._dipped:
+            self._dipped = True  # the first dip of a run: it goes on, but not twice in a row
+            self._run.append(score)
+            return Verdict(Pace.SLOW, score, self._slow_since)
+        if score >= settings.threshold or (self._slow_since is not None and holds):
+            self._dipped = False
             self._steady_since = None
             if self._slow_since is None:
                 self._slow_since = now
+                self._run = []
+            self._run.append(score)
+            del self._run[:-_RUN_SCORES]
             if now - self._slow_since < settings.window_s:
                 return Verdict(Pace.SLOW, score, self._slow_since)
             new = not self._in_episode
             self._in_episode = True
-            return Verdict(Pace.STRAGGLING, score, self._slow_since, new_episode=new)
+            return Verdict(Pace.STRAGGLING, statistics.median(self._run), self._slow_since,
+                           new_episode=new)
         self._slow_since = None
-        if score > holding_level(settings.threshold):
+        self._dipped = False
+        if holds:
             self._steady_since = None  # between the two levels: not slow, nor back at pace
             return Verdict(Pace.STEADY, score)
         if self._in_episode:

@@ -28,8 +28,8 @@ from peer_elastic.straggler import waits
 
 __all__ = ["EXCHANGE_EVERY_S", "MAX_PERIOD", "PaceMeter", "PaceSample"]
 
-#: About how often the group exchanges its paces (a blocking all-reduce of a few integers
-#: per rank: about 0.2 ms on the 2-core test machine, a few hundredths of a percent).
+#: About how often the group exchanges its paces (an all-reduce of a few integers per rank,
+#: completed at the next exchange).
 EXCHANGE_EVERY_S = 1.0
 #: The most checks between two exchanges (a script that checks every microsecond).
 MAX_PERIOD = 1_000_000

@@ -2,9 +2,10 @@
 
 :class:`StragglerWatch` is what :class:`~peer_elastic.elastic.Peer` holds. At every check
 (:meth:`~StragglerWatch.at_check`, a count) it counts the check; about once a second the
-check also runs the group's exchange of paces (:meth:`~StragglerWatch.exchange`,
-one blocking all-reduce at the same check on every rank: :mod:`peer_elastic.straggler.
-exchange`). From the agreed paces every rank computes every rank's score
+check also runs the group's exchange of paces (:meth:`~StragglerWatch.exchange`: it
+completes the all-reduce the last exchange issued and issues the next, at the same checks
+on every rank: :mod:`peer_elastic.straggler.exchange`). From the agreed paces every rank
+computes every rank's score
 (:mod:`peer_elastic.straggler.score`), and then:
 
 * rank 0 hands the paces of the whole roster to the reporter (the pace record that
@@ -20,7 +21,9 @@ re-formed without it, and :attr:`~StragglerWatch.exit_code` is then :data:`EXIT_
 instead of 0, so that a scheduler can tell it apart and replace the host.
 
 A new group (a new ``FormedGroup``, seen at its first check) starts everything afresh: the
-meter, the exchange's period, the detector and its cooldown.
+meter, the exchange's period (an op of the old group is dropped unread), the detector and
+its cooldown. When the training function returns, :meth:`~StragglerWatch.settle` completes
+the op in flight; a peer leaving its group drops it.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from typing import Any
 import torch
 
 from peer_elastic.records import PaceRecord, PeerPace
-from peer_elastic.straggler.detector import Pace, StragglerDetector
+from peer_elastic.straggler.detector import Pace, StragglerDetector, Verdict
 from peer_elastic.straggler.exchange import PaceExchange
 from peer_elastic.straggler.meter import PaceMeter
 from peer_elastic.straggler.policy import EXIT_STRAGGLER, Action, Decision, decide
 from peer_elastic.straggler.reporting import Eviction, StragglerReport, StragglerReporter
 from peer_elastic.straggler.score import GroupPace
 from peer_elastic.straggler.settings import StragglerPolicy, StragglerSettings
+from peer_elastic.torch.group import is_collective_failure
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class StragglerWatch:
         self._due_in = 1  # checks until the next exchange (the first check of a group: 1)
         self._counted = 0  # checks since the span began (every rank alike)
         self._resumed = False  # switched on again: a new span at the next check
+        self._awaiting = False  # an op was issued at the previous check: complete it now
         self._detector = StragglerDetector(clock())
         self._last_action: Action | None = None
         self._enabled = True
@@ -126,24 +131,60 @@ class StragglerWatch:
             return False
         self._counted += 1
         self._due_in -= 1
-        return self._due_in <= 0
+        return self._due_in <= 0 or self._awaiting
 
     def exchange(self, group: Any, device: torch.device) -> None:
-        """The group's exchange of paces (collective, blocking), then judge and report."""
+        """The group's exchange of paces (collective): complete the op the previous check
+        issued, if any, and judge; issue the next one when it is due."""
+        pace = None
+        if self._awaiting:
+            self._awaiting = False
+            done = self._exchange.complete(group)
+            if done is not None:
+                # The op was issued one check ago: the next is due `period` checks after it.
+                pace, period = done
+                self._due_in = period - 1
+        if self._due_in <= 0:
+            a = group.assignment
+            sample, self._counted = self._meter.take(self._counted), 0
+            self._exchange.issue(group, a.rank, a.size, sample, self._meter.proposal(),
+                                 device)
+            self._awaiting = True
+            self._due_in = 1  # until its answer, at the next check, says the period
+        if pace is not None and pace.measured:
+            self._judged(group, pace)
+
+    def _judged(self, group: Any, pace: GroupPace) -> None:
+        """What every rank does with the paces of a completed exchange."""
         a = group.assignment
-        sample, self._counted = self._meter.take(self._counted), 0
-        pace, self._due_in = self._exchange.run(a.rank, a.size, sample,
-                                                self._meter.proposal(), device)
-        if not pace.measured:
-            return
         scores = pace.scores()
+        log.debug("pace over %d checks: step %.1f ms, scores %s", pace.checks,
+                  pace.step_s * 1000, " ".join(f"{x:.2f}" for x in scores))
         self._rank, self._score, self._pace = a.rank, scores[a.rank], pace  # rank first:
         # the metrics thread reads pace.own_s[rank]
         if a.rank == 0:
             self._reporter.offer_pace(_pace_record(a.generation, a.roster, pace, scores))
         self._judge(group, pace, scores[a.rank])
 
+    def settle(self) -> None:
+        """The training function returned on every rank: complete the op in flight (every
+        rank issued it), so the group is never torn down under it. Its answer no longer
+        matters, nor does its failure (a peer that died since): the run is over."""
+        group, self._awaiting = self._group, False
+        try:
+            self._exchange.complete(group)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            log.info("the last exchange of paces failed after the run ended: %s", exc)
+
+    def drop(self) -> None:
+        """Forget the op in flight (this peer is leaving its group)."""
+        self._exchange.drop()
+        self._awaiting = False
+
     def close(self) -> None:
+        self.drop()
         self._reporter.stop()
 
     # -- inside -----------------------------------------------------------------------------------
@@ -158,6 +199,8 @@ class StragglerWatch:
             self._meter.start(fresh=False)
             return
         self._group = group
+        self._exchange.drop()  # the old group's op, if any: never waited on in this one
+        self._awaiting = False
         self._meter.start()
         self._due_in = 1
         self._detector = StragglerDetector(self._clock())
@@ -176,11 +219,11 @@ class StragglerWatch:
         decision = decide(settings.policy, pace, a.rank, self._remaining(),
                           int(self._coordinator.config.min_np))
         me = self._coordinator.member_id
-        detail = _detail(pace, a.rank, verdict.slow_since, self._clock(), decision)
+        detail = _detail(pace, a.rank, verdict, self._clock(), decision)
         if verdict.new_episode:
             log.warning("straggler: %s", detail)
             self._reporter.report(StragglerReport(me, self._coordinator.host, a.generation,
-                                                  score, detail))
+                                                  verdict.score, detail))
         elif decision.action is not self._last_action:
             log.info("straggler: %s", detail)
         self._last_action = decision.action
@@ -197,13 +240,14 @@ class StragglerWatch:
         return min(others, cap) if cap else others
 
 
-def _detail(pace: GroupPace, rank: int, since: float | None, now: float,
+def _detail(pace: GroupPace, rank: int, verdict: Verdict, now: float,
             decision: Decision) -> str:
     """The event's text: how slow, for how long, and what it did."""
     others = pace.own_s[:rank] + pace.own_s[rank + 1:]
     median = statistics.median(others) if others else 0.0
-    lasted = f" for {now - since:.0f} s" if since is not None else ""
-    return (f"score {pace.scores()[rank]:.2f}{lasted}: its own time "
+    since = verdict.slow_since
+    lasted = f" over {now - since:.0f} s" if since is not None else ""
+    return (f"median score {verdict.score:.2f}{lasted}; now its own time "
             f"{pace.own_s[rank] * 1000:.1f} ms per step against "
             f"{median * 1000:.1f} ms for the others; {decision.describe()}")
 

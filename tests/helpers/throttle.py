@@ -1,45 +1,58 @@
 """Slowing a process from outside: SIGSTOP and SIGCONT in a duty cycle.
 
 A straggler is a peer that runs, but slowly (a throttled GPU, a noisy neighbour). The tests
-and the straggler benchmark make one without any hook in the library: a thread of the
-harness stops the peer's process for ``stopped_s``, lets it run for ``running_s``, and so
-on, so it makes progress at ``running_s / (stopped_s + running_s)`` of its speed (a third
-with the defaults). Every thread of the process stops, its coordination thread too, as a
-whole machine that is slow would; the stops are short next to the lease TTL and the join
+and the straggler benchmark make one without any hook in the library: a small process of
+its own (not a thread of the harness, whose GIL the harness's own polling holds for
+whole milliseconds on a busy machine, stopping the peer for longer than asked) stops the
+peer's process for ``stopped_s``, lets it run for ``running_s``, and so on, so it makes
+progress at ``running_s / (stopped_s + running_s)`` of its speed (a third with the
+defaults). Every thread of the process stops, its coordination thread too, as a whole
+machine that is slow would; the stops are short next to the lease TTL and the join
 timeout, so the peer stays a healthy member, only a slow one.
+
+Run as a module, it is that process: ``python -m tests.helpers.throttle PID STOPPED_S
+RUNNING_S``; it ends (leaving the peer running) on SIGTERM or when the peer is gone.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 __all__ = ["DutyCycle"]
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 class DutyCycle:
-    """Stops and continues ``pid`` in turn from a thread, until :meth:`stop`."""
+    """Stops and continues ``pid`` in turn from a process of its own, until :meth:`stop`."""
 
     def __init__(self, pid: int, stopped_s: float = 0.2, running_s: float = 0.1) -> None:
         self.pid = pid
         self.stopped_s = stopped_s
         self.running_s = running_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> DutyCycle:
-        self._thread = threading.Thread(target=self._cycle, name=f"duty-cycle:{self.pid}",
-                                        daemon=True)
-        self._thread.start()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.throttle", str(self.pid),
+             str(self.stopped_s), str(self.running_s)], cwd=ROOT)
         return self
 
     def stop(self) -> None:
         """End the cycle and leave the process running."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        self._signal(signal.SIGCONT)
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        _signal(self.pid, signal.SIGCONT)
 
     def __enter__(self) -> DutyCycle:
         return self.start()
@@ -47,18 +60,27 @@ class DutyCycle:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _cycle(self) -> None:
-        while not self._stop.is_set():
-            if not self._signal(signal.SIGSTOP):
-                return
-            stopped = self._stop.wait(self.stopped_s)
-            self._signal(signal.SIGCONT)
-            if stopped or self._stop.wait(self.running_s):
-                return
 
-    def _signal(self, sig: int) -> bool:
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _cycle(pid: int, stopped_s: float, running_s: float) -> None:
+    ended = []
+    signal.signal(signal.SIGTERM, lambda *_: ended.append(True))
+    try:
+        while not ended and _signal(pid, signal.SIGSTOP):
+            time.sleep(stopped_s)
+            _signal(pid, signal.SIGCONT)
+            if not ended:
+                time.sleep(running_s)
+    finally:
+        _signal(pid, signal.SIGCONT)
+
+
+if __name__ == "__main__":
+    _cycle(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))
