@@ -45,6 +45,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
   test that gives up waiting for the peer sends it).
 * ``WORKER_SLOW_AT=<epoch>:<batch>:<seconds>[:<rank>]``: that batch takes that much longer
   (a long evaluation, a slow batch); prints ``SLOW <epoch> <batch> <seconds>``.
+* ``WORKER_SLOW_DIR=path``: while the file ``path/<pid>`` exists, this peer's own work per
+  step takes the seconds written in it longer: a throttled GPU, whose compute is slow and
+  whose communication is not (tests/helpers/throttle.py).
 * ``WORKER_FIRST_STEP_S=<seconds>``: each time the training function is entered, it spends
   that long before its first batch (compilation, a data loader's warm-up); prints ``WARMUP
   <generation> <seconds>`` first.
@@ -138,6 +141,18 @@ N = int(os.environ.get("WORKER_SAMPLES", "480"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
 BS = int(os.environ.get("WORKER_BATCH", "4"))
 STEP_S = float(os.environ.get("WORKER_STEP_S", "0.02"))
+SLOW_DIR = os.environ.get("WORKER_SLOW_DIR")
+
+
+def step_s() -> float:
+    """This step's own work: STEP_S, plus the seconds in WORKER_SLOW_DIR/<pid> if any."""
+    if SLOW_DIR:
+        try:
+            with open(os.path.join(SLOW_DIR, str(os.getpid()))) as f:
+                return STEP_S + float(f.read())
+        except FileNotFoundError:
+            pass
+    return STEP_S
 COMMIT_EVERY = int(os.environ.get("WORKER_COMMIT_EVERY", "2"))
 CHECK_EVERY = int(os.environ.get("WORKER_CHECK_EVERY", "0"))
 RECORD = os.environ.get("WORKER_RECORD", "batch")
@@ -593,7 +608,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     if STEP_TIMES:
                         say("STEPPED", state.epoch, b, peer.generation, f"{began:.6f}",
                             f"{time.monotonic():.6f}")
-                    time.sleep(STEP_S)
+                    time.sleep(step_s())
                     if b % 5 == 0:
                         say("STEP", state.epoch, b, peer.generation)
                     if (b + 1) % COMMIT_EVERY == 0:
@@ -643,7 +658,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                         state.sampler.record_indices(idx)
                     else:
                         state.sampler.record_batch(b, BS)
-                    time.sleep(STEP_S)
+                    time.sleep(step_s())
                     if b % 5 == 0:
                         say("STEP", state.epoch, b, peer.generation)
                     if (b + 1) % COMMIT_EVERY == 0:

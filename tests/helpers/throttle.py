@@ -1,4 +1,5 @@
-"""Slowing a process from outside: SIGSTOP and SIGCONT in a duty cycle.
+"""Slowing a peer: the whole process (SIGSTOP and SIGCONT in a duty cycle), or only its
+compute (:class:`SlowCompute`).
 
 A straggler is a peer that runs, but slowly (a throttled GPU, a noisy neighbour). The tests
 and the straggler benchmark make one without any hook in the library: a small process of
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["DutyCycle"]
+__all__ = ["DutyCycle", "SlowCompute"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +60,27 @@ class DutyCycle:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SlowCompute:
+    """While entered, each step of an elastic-worker peer's own work takes ``extra_s``
+    longer: a throttled GPU, slow to compute and as fast as ever to communicate. Where the
+    duty cycle stops every thread (a whole machine slow, its waits in collectives slowed
+    too), this slows only what a peer's score measures. The worker reads ``folder/<pid>``
+    at each step (``WORKER_SLOW_DIR``, tests/helpers/elastic_worker.py)."""
+
+    def __init__(self, folder: Path, pid: int, extra_s: float) -> None:
+        self.path = folder / str(pid)
+        self.extra_s = extra_s
+
+    def __enter__(self) -> SlowCompute:
+        part = self.path.with_suffix(".part")
+        part.write_text(f"{self.extra_s}")
+        part.replace(self.path)  # whole or absent: the worker never reads half of it
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _signal(pid: int, sig: int) -> bool:
