@@ -56,7 +56,7 @@ from peer_elastic.records import GenerationRecord
 from peer_elastic.sharded.state import ShardedState, forget_meshes
 from peer_elastic.state.protocol import ElasticState
 from peer_elastic.state_keeping import KeepingCoordinator, StateKeeping
-from peer_elastic.straggler.watch import StragglerWatch
+from peer_elastic.straggler.watch import StragglerCoordinator, StragglerWatch
 from peer_elastic.torch.check.generation_check import GenerationCheck
 from peer_elastic.torch.check.reset_vote import voting
 from peer_elastic.torch.formed_group import FormedGroup
@@ -69,10 +69,10 @@ R = TypeVar("R")
 
 
 class PeerCoordinator(GroupCoordinator, KeepingCoordinator, ProgressRecorder,
-                      ObservedCoordinator, Protocol):
+                      ObservedCoordinator, StragglerCoordinator, Protocol):
     """What a :class:`Peer` uses of the coordinator: what its group manager, its state
-    keeping and its publisher use, what its observer reads (metrics), and the rest of this
-    peer's membership. The training thread's liveness fences the peer through it when the
+    keeping, its publisher and its straggler watch use, what its observer reads (metrics),
+    and the rest of this peer's membership. The training thread's liveness fences the peer through it when the
     thread hangs (:func:`peer_elastic.etcd.fence.fence_member`, which also reads
     ``lease_id`` and ``close``)."""
 

@@ -25,13 +25,14 @@ from peer_elastic.sharded.state import ShardedState
 from peer_elastic.state import ObjectState, State, TorchState
 from peer_elastic.state.protocol import DurableState, ElasticState, SyncedState
 from peer_elastic.state_keeping import KeepingCoordinator
+from peer_elastic.straggler.watch import StragglerCoordinator
 from peer_elastic.torch.group import GroupCoordinator
 from peer_elastic.torch.reachability import ReachCoordinator
 from tests.helpers.fakes import FakeCoordinator
 
 COORDINATOR_PROTOCOLS = [MembershipFacts, ReachCoordinator, GroupCoordinator,
                          KeepingCoordinator, ProgressRecorder, PeerCoordinator,
-                         ObservedCoordinator]
+                         ObservedCoordinator, StragglerCoordinator]
 
 
 def protocol_members(proto: type) -> dict[str, Any]:

@@ -26,17 +26,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from peer_elastic.errors import EtcdError, RecordError
 from peer_elastic.etcd.client import Txn
-from peer_elastic.etcd.writer import holds
+from peer_elastic.etcd.writer import RunWriter, holds
 from peer_elastic.process import threads
 from peer_elastic.records import DrainRecord, EventRecord, PaceRecord, encode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PACE_EVERY_S", "EVICTED_BY", "Eviction", "StragglerReport", "StragglerReporter"]
+__all__ = ["PACE_EVERY_S", "EVICTED_BY", "Eviction", "ReportingCoordinator", "StragglerReport",
+           "StragglerReporter"]
 
 #: The most often the pace record is written (one put; status shows its age).
 PACE_EVERY_S = 2.0
@@ -64,10 +65,18 @@ class Eviction:
     detail: str
 
 
+class ReportingCoordinator(Protocol):
+    """What the reporter uses of the coordinator: the current registration's writer (None
+    while this peer has none: a lost lease, before it registered)."""
+
+    @property
+    def writer(self) -> RunWriter | None: ...
+
+
 class StragglerReporter:
     """One thread that writes what it is handed; see the module docstring."""
 
-    def __init__(self, coordinator: Any, on_not_evicted: Callable[[], None],
+    def __init__(self, coordinator: ReportingCoordinator, on_not_evicted: Callable[[], None],
                  pace_every_s: float = PACE_EVERY_S) -> None:
         self._coordinator = coordinator
         self._on_not_evicted = on_not_evicted
@@ -137,8 +146,8 @@ class StragglerReporter:
             if stopped:
                 return
 
-    def _writer(self) -> Any:
-        writer = getattr(self._coordinator, "writer", None)
+    def _writer(self) -> RunWriter | None:
+        writer = self._coordinator.writer
         if writer is None:
             log.info("straggler: this peer has no registration now; a write is dropped")
         return writer

@@ -34,36 +34,55 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from peer_elastic.records import PaceRecord, PeerPace
+from peer_elastic.etcd.view import ViewSnapshot
+from peer_elastic.records import JobConfig, PaceRecord, PeerPace
 from peer_elastic.straggler.detector import Pace, StragglerDetector, Verdict
 from peer_elastic.straggler.exchange import PaceExchange
 from peer_elastic.straggler.meter import PaceMeter
 from peer_elastic.straggler.policy import EXIT_STRAGGLER, Action, Decision, decide
-from peer_elastic.straggler.reporting import Eviction, StragglerReport, StragglerReporter
+from peer_elastic.straggler.reporting import (
+    Eviction,
+    ReportingCoordinator,
+    StragglerReport,
+    StragglerReporter,
+)
 from peer_elastic.straggler.score import GroupPace
 from peer_elastic.straggler.settings import StragglerPolicy, StragglerSettings
+from peer_elastic.torch.formed_group import FormedGroup
 from peer_elastic.torch.group import is_collective_failure
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StragglerWatch"]
+__all__ = ["StragglerCoordinator", "StragglerWatch"]
+
+
+class StragglerCoordinator(ReportingCoordinator, Protocol):
+    """What the watch uses of the coordinator: this peer's names, the job's settings (the
+    policy's, read at each verdict: ``set`` changes them at run time), the watched view (to
+    find whom an eviction leaves), and what the reporter writes through."""
+
+    member_id: str
+    host: str
+    config: JobConfig
+
+    def snapshot(self) -> ViewSnapshot: ...
 
 
 class StragglerWatch:
     """Measures this peer's pace, exchanges it, judges and acts; see the module docstring."""
 
-    def __init__(self, coordinator: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, coordinator: StragglerCoordinator, clock: Callable[[], float] = time.monotonic) -> None:
         self._coordinator = coordinator
         self._clock = clock
         self._meter = PaceMeter()
         self._exchange = PaceExchange()
         self._evicting = threading.Event()  # set from the decision until the drain fails
         self._reporter = StragglerReporter(coordinator, on_not_evicted=self._evicting.clear)
-        self._group: object = None
+        self._group: FormedGroup | None = None
         self._due_in = 1  # checks until the next exchange (the first check of a group: 1)
         self._counted = 0  # checks since the span began (every rank alike)
         self._resumed = False  # switched on again: a new span at the next check
@@ -120,7 +139,7 @@ class StragglerWatch:
 
     # -- the hooks --------------------------------------------------------------------------------
 
-    def at_check(self, group: Any) -> bool:
+    def at_check(self, group: FormedGroup) -> bool:
         """A check in ``group`` (a FormedGroup): count it (no clock read: the meter reads
         one at the checks that exchange). True when this check must also run
         :meth:`exchange` (the same checks on every rank)."""
@@ -133,7 +152,7 @@ class StragglerWatch:
         self._due_in -= 1
         return self._due_in <= 0 or self._awaiting
 
-    def exchange(self, group: Any, device: torch.device) -> None:
+    def exchange(self, group: FormedGroup, device: torch.device) -> None:
         """The group's exchange of paces (collective): complete the op the previous check
         issued, if any, and judge; issue the next one when it is due."""
         pace = None
@@ -154,7 +173,7 @@ class StragglerWatch:
         if pace is not None and pace.measured:
             self._judged(group, pace)
 
-    def _judged(self, group: Any, pace: GroupPace) -> None:
+    def _judged(self, group: FormedGroup, pace: GroupPace) -> None:
         """What every rank does with the paces of a completed exchange."""
         a = group.assignment
         scores = pace.scores()
@@ -189,7 +208,7 @@ class StragglerWatch:
 
     # -- inside -----------------------------------------------------------------------------------
 
-    def _begin(self, group: Any) -> None:
+    def _begin(self, group: FormedGroup) -> None:
         """The first check of a new group (everything afresh: the first exchange is at the
         next check, and agrees on the period), or the first after measuring was switched
         on again (a new span; the period and the rest go on)."""
@@ -207,7 +226,7 @@ class StragglerWatch:
         self._last_action = None
         self._pace, self._score = None, math.nan
 
-    def _judge(self, group: Any, pace: GroupPace, score: float) -> None:
+    def _judge(self, group: FormedGroup, pace: GroupPace, score: float) -> None:
         settings = StragglerSettings.of(self._coordinator.config)
         if settings.policy is StragglerPolicy.OFF:
             self._detector.forget()

@@ -118,6 +118,7 @@ class FakeCoordinator:
         self.client = SimpleNamespace(endpoints=())  # no etcd to tell apart from peers
         self.run = None
         self.keys = None
+        self.writer = None  # no registration: what a peer would write is dropped
         self.view = FakeView(snap([]))
         self.is_leader = False
         self.counters = CoordinatorCounters()
