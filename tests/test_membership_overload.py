@@ -133,8 +133,9 @@ def test_an_overloaded_worker_of_256_members_settles(etcd: str, unique_job: str)
         assert snap is not None, _describe(view.snapshot(), MEMBERS)
         settled = snap.generation.number
         # And it stays settled: no lease expires and nobody rejoins once the load is gone.
-        assert view.wait_for(lambda s: s.generation_number != settled
-                             or set(s.members) != set(snap.members), timeout=STABLE_S) is None
+        changed = view.wait_for(lambda s: s.generation_number != settled
+                                or set(s.members) != set(snap.members), timeout=STABLE_S)
+        assert changed is None, _what_changed(snap, changed)
         stats = _stats(proc)
         assert stats["errors"] == 0
         assert stats["dropped"] == 0  # no live member was taken for dead
@@ -254,6 +255,17 @@ def _describe(snap, count: int) -> str:  # noqa: ANN001
     acked = snap.ready_for(gen.number)
     return (f"generation {gen.number}: {len(gen.roster)} listed of {len(snap.members)} "
             f"members (want {count}), {len(acked & set(gen.roster))} acked")
+
+
+def _what_changed(before, after) -> str:  # noqa: ANN001
+    """How the view moved on from the settled snapshot ``before`` (a failure's message)."""
+    gone = set(before.members) - set(after.members)
+    came = set(after.members) - set(before.members)
+    gen = after.generation
+    causes = (list(gen.causes), gen.reason) if gen is not None else None
+    return (f"after generation {before.generation.number} settled: members gone {sorted(gone)}, "
+            f"come {sorted(came)}; now {_describe(after, len(before.members))}, causes "
+            f"{causes}, roster change {sorted(set(gen.roster) ^ set(before.generation.roster)) if gen else None}")
 
 
 def _end(proc: subprocess.Popen) -> None:
