@@ -209,6 +209,29 @@ def test_a_straggler_is_reported_once_per_episode() -> None:
     assert later[-1].new_episode
 
 
+def test_a_run_dates_from_the_start_of_its_first_slow_span() -> None:
+    # Each answer comes 0.3 s after its span of 1 s ended: the run began when the first
+    # slow span did, so the window is over at the answer for the span ending 10 s later.
+    clock = Clock()
+    d = StragglerDetector(clock.now - 100)
+    verdicts = []
+    for score in [1.0, 3.0, *[3.0] * 10]:
+        began = clock.now
+        clock.now += 1.0
+        verdicts.append(d.observe(clock.now + 0.3, score, SETTINGS, since=began))
+    assert verdicts[1].slow_since == pytest.approx(101.0)  # the second span's start
+    first = next(i for i, v in enumerate(verdicts) if v.pace is Pace.STRAGGLING)
+    # Answered 10.3 s after the first slow span began; dated from its answer, a measurement
+    # later.
+    assert first == 10 and verdicts[first].new_episode
+    # Never from before the cooldown's end, nor from after the answer came.
+    young = StragglerDetector(0.0)
+    assert young.observe(5.5, 3.0, SETTINGS, since=4.5).slow_since == 5.0
+    assert young.observe(6.5, 3.0, SETTINGS, since=None).slow_since == 5.0
+    late = StragglerDetector(-100.0)
+    assert late.observe(2.0, 3.0, SETTINGS, since=7.0).slow_since == 2.0
+
+
 # -- the eviction rule ----------------------------------------------------------------------------
 
 SLOW3 = GroupPace((0.010, 0.010, 0.030, 0.010), (0.021, 0.021, 0.001, 0.021), 10)

@@ -18,13 +18,19 @@ each exchange and answers with a :class:`Verdict`:
 * a run that lasts ``straggler_window_s`` makes the peer a straggler (``STRAGGLING``), for
   as long as it lasts; its score is then the median of the run's (one measurement can be
   anything from the holding level up). The first such verdict of an *episode* is marked
-  ``new_episode``: that is the one the event log gets. The episode ends only once the score stayed under
-  the holding level for a whole window, so a peer that slows down now and then is reported
-  once, not at every bout.
+  ``new_episode``: that is the one the event log gets. The episode ends only once the
+  score stayed under the holding level for a whole window, so a peer that slows down now
+  and then is reported once, not at every bout.
 
-So a slowdown shorter than the window is never a straggler, whatever its size, and one
-longer is found at the first measurement a window after it began (measurements come about
-once a second: :data:`peer_elastic.straggler.meter.EXCHANGE_EVERY_S`).
+A run dates from the start of the span its first slow measurement covers (the
+measurement says the peer was slow over that span, and its answer comes a check after the
+span ended), not from before the cooldown's end. So a slowdown longer than the window is
+found at the first answer a window after the start of its first slow span: within about a
+measurement of the window, before or after it (the span that holds the slowdown's start
+counts whole when it scores slow; measurements come about once a second:
+:data:`peer_elastic.straggler.meter.EXCHANGE_EVERY_S`). A slowdown shorter than the window
+by more than about three measurements (that span, the one it ends in, a dip) is never a
+straggler, whatever its size.
 
 One job: that rule, on a clock it is given (a fake one in the tests). No torch, no etcd.
 """
@@ -81,8 +87,12 @@ class StragglerDetector:
         self._slow_since = self._steady_since = None
         self._in_episode = self._dipped = False
 
-    def observe(self, now: float, score: float, settings: StragglerSettings) -> Verdict:
-        """The verdict on ``score``, measured at ``now`` (the clock given to the start)."""
+    def observe(self, now: float, score: float, settings: StragglerSettings,
+                since: float | None = None) -> Verdict:
+        """The verdict on ``score``, known at ``now`` and measured over the span that began
+        at ``since`` (None: at ``now``), on the clock given to the start. A run of slow
+        measurements dates from the start of its first one's span, never from before the
+        cooldown's end."""
         if now - self._started_at < settings.cooldown_s:
             self._slow_since = self._steady_since = None
             self._dipped = False
@@ -96,7 +106,8 @@ class StragglerDetector:
             self._dipped = False
             self._steady_since = None
             if self._slow_since is None:
-                self._slow_since = now
+                began = now if since is None else min(since, now)
+                self._slow_since = max(began, self._started_at + settings.cooldown_s)
                 self._run = []
             self._run.append(score)
             del self._run[:-_RUN_SCORES]

@@ -87,6 +87,11 @@ class StragglerWatch:
         self._counted = 0  # checks since the span began (every rank alike)
         self._resumed = False  # switched on again: a new span at the next check
         self._awaiting = False  # an op was issued at the previous check: complete it now
+        # When the span being measured began (the last issue, or the start), on self._clock,
+        # and when the span the op in flight carries began: a slow measurement says the peer
+        # was slow since its span's start, not since the answer came.
+        self._span_began = clock()
+        self._in_flight_began = self._span_began
         self._detector = StragglerDetector(clock())
         self._last_action: Action | None = None
         self._enabled = True
@@ -156,6 +161,7 @@ class StragglerWatch:
         """The group's exchange of paces (collective): complete the op the previous check
         issued, if any, and judge; issue the next one when it is due."""
         pace = None
+        measured_since = self._in_flight_began
         if self._awaiting:
             self._awaiting = False
             done = self._exchange.complete(group)
@@ -168,13 +174,15 @@ class StragglerWatch:
             sample, self._counted = self._meter.take(self._counted), 0
             self._exchange.issue(group, a.rank, a.size, sample, self._meter.proposal(),
                                  device)
+            self._in_flight_began, self._span_began = self._span_began, self._clock()
             self._awaiting = True
             self._due_in = 1  # until its answer, at the next check, says the period
         if pace is not None and pace.measured:
-            self._judged(group, pace)
+            self._judged(group, pace, measured_since)
 
-    def _judged(self, group: FormedGroup, pace: GroupPace) -> None:
-        """What every rank does with the paces of a completed exchange."""
+    def _judged(self, group: FormedGroup, pace: GroupPace, since: float) -> None:
+        """What every rank does with the paces of a completed exchange, measured over the
+        span that began at ``since``."""
         a = group.assignment
         scores = pace.scores()
         log.debug("pace over %d checks: step %.1f ms, scores %s", pace.checks,
@@ -183,7 +191,7 @@ class StragglerWatch:
         # the metrics thread reads pace.own_s[rank]
         if a.rank == 0:
             self._reporter.offer_pace(_pace_record(a.generation, a.roster, pace, scores))
-        self._judge(group, pace, scores[a.rank])
+        self._judge(group, pace, scores[a.rank], since)
 
     def settle(self) -> None:
         """The training function returned on every rank: complete the op in flight (every
@@ -214,6 +222,7 @@ class StragglerWatch:
         on again (a new span; the period and the rest go on)."""
         self._counted = 0
         self._resumed = False
+        self._span_began = self._in_flight_began = self._clock()
         if group is self._group:
             self._meter.start(fresh=False)
             return
@@ -226,12 +235,12 @@ class StragglerWatch:
         self._last_action = None
         self._pace, self._score = None, math.nan
 
-    def _judge(self, group: FormedGroup, pace: GroupPace, score: float) -> None:
+    def _judge(self, group: FormedGroup, pace: GroupPace, score: float, since: float) -> None:
         settings = StragglerSettings.of(self._coordinator.config)
         if settings.policy is StragglerPolicy.OFF:
             self._detector.forget()
             return
-        verdict = self._detector.observe(self._clock(), score, settings)
+        verdict = self._detector.observe(self._clock(), score, settings, since=since)
         if verdict.pace is not Pace.STRAGGLING or self._evicting.is_set():
             return
         a = group.assignment
