@@ -72,9 +72,9 @@ class PeerCoordinator(GroupCoordinator, KeepingCoordinator, ProgressRecorder,
                       ObservedCoordinator, StragglerCoordinator, Protocol):
     """What a :class:`Peer` uses of the coordinator: what its group manager, its state
     keeping, its publisher and its straggler watch use, what its observer reads (metrics),
-    and the rest of this peer's membership. The training thread's liveness fences the peer through it when the
-    thread hangs (:func:`peer_elastic.etcd.fence.fence_member`, which also reads
-    ``lease_id`` and ``close``)."""
+    and the rest of this peer's membership. The training thread's liveness fences the peer
+    through it when the thread hangs (:func:`peer_elastic.etcd.fence.fence_member`, which
+    also reads ``lease_id`` and ``close``)."""
 
     local_rank: int
     lease_id: int

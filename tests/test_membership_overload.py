@@ -259,13 +259,15 @@ def _describe(snap, count: int) -> str:  # noqa: ANN001
 
 def _what_changed(before, after) -> str:  # noqa: ANN001
     """How the view moved on from the settled snapshot ``before`` (a failure's message)."""
-    gone = set(before.members) - set(after.members)
-    came = set(after.members) - set(before.members)
+    gone = sorted(set(before.members) - set(after.members))
+    came = sorted(set(after.members) - set(before.members))
     gen = after.generation
-    causes = (list(gen.causes), gen.reason) if gen is not None else None
-    return (f"after generation {before.generation.number} settled: members gone {sorted(gone)}, "
-            f"come {sorted(came)}; now {_describe(after, len(before.members))}, causes "
-            f"{causes}, roster change {sorted(set(gen.roster) ^ set(before.generation.roster)) if gen else None}")
+    if gen is None:
+        return f"no generation after {before.generation.number}; gone {gone}, come {came}"
+    moved = sorted(set(gen.roster) ^ set(before.generation.roster))
+    return (f"after generation {before.generation.number} settled: members gone {gone}, "
+            f"come {came}; now {_describe(after, len(before.members))}, causes "
+            f"{list(gen.causes)} ({gen.reason!r}), roster change {moved}")
 
 
 def _end(proc: subprocess.Popen) -> None:

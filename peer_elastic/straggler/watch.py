@@ -75,7 +75,8 @@ class StragglerCoordinator(ReportingCoordinator, Protocol):
 class StragglerWatch:
     """Measures this peer's pace, exchanges it, judges and acts; see the module docstring."""
 
-    def __init__(self, coordinator: StragglerCoordinator, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, coordinator: StragglerCoordinator,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._coordinator = coordinator
         self._clock = clock
         self._meter = PaceMeter()
