@@ -142,17 +142,6 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
 BS = int(os.environ.get("WORKER_BATCH", "4"))
 STEP_S = float(os.environ.get("WORKER_STEP_S", "0.02"))
 SLOW_DIR = os.environ.get("WORKER_SLOW_DIR")
-
-
-def step_s() -> float:
-    """This step's own work: STEP_S, plus the seconds in WORKER_SLOW_DIR/<pid> if any."""
-    if SLOW_DIR:
-        try:
-            with open(os.path.join(SLOW_DIR, str(os.getpid()))) as f:
-                return STEP_S + float(f.read())
-        except FileNotFoundError:
-            pass
-    return STEP_S
 COMMIT_EVERY = int(os.environ.get("WORKER_COMMIT_EVERY", "2"))
 CHECK_EVERY = int(os.environ.get("WORKER_CHECK_EVERY", "0"))
 RECORD = os.environ.get("WORKER_RECORD", "batch")
@@ -281,6 +270,17 @@ def hang_forever(epoch: int, batch: int, generation: int) -> None:
     coordination thread and the lease live on."""
     say("HANGING", os.getpid(), epoch, batch, generation)
     threading.Event().wait()
+
+
+def step_s() -> float:
+    """This step's own work: STEP_S, plus the seconds in WORKER_SLOW_DIR/<pid> if any."""
+    if SLOW_DIR:
+        try:
+            with open(os.path.join(SLOW_DIR, str(os.getpid()))) as f:
+                return STEP_S + float(f.read())
+        except FileNotFoundError:
+            pass
+    return STEP_S
 
 
 def maybe_stall(epoch: int, batch: int, rank: int, generation: int) -> None:
