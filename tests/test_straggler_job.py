@@ -13,8 +13,8 @@ it runs at a third of its speed, its waits in collectives too). What must happen
   and the other three go on, nothing redone (the new generation's cause is a graceful
   leave), and the job finishes exactly once;
 * a clean run of four full-speed peers: no event, no eviction;
-* a slowdown shorter than the window: no event, no eviction;
-* two peers with ``min_np=2``: reported, never evicted.
+* a slowdown shorter than the window (its compute slowed): no event, no eviction;
+* two peers with ``min_np=2`` (its compute slowed): reported, never evicted.
 
 Every test ends with the exactly-once oracle of tests/helpers/elastic_worker.py.
 """
@@ -205,11 +205,12 @@ def test_a_slowdown_shorter_than_the_window_is_no_straggler(
     end = tmp_path / "end"
     window = 16.0
     peers = start(cluster, 4, end, PEER_ELASTIC_STRAGGLER_POLICY="evict",
-                  PEER_ELASTIC_STRAGGLER_WINDOW=window)
+                  PEER_ELASTIC_STRAGGLER_WINDOW=window, WORKER_SLOW_DIR=tmp_path)
     slow = peers[1]
     member = member_of(slow)
     measured(client, unique_job, 4)
-    with DutyCycle(slow.pid):
+    # Its compute slowed, as in the report test: measured slow within seconds, every time.
+    with SlowCompute(tmp_path, slow.pid, extra_s=0.4):
         # Slow long enough to be measured slow (its score shown), well under the window.
         poll("its slow score in status", lambda: any(
             m["id"] == member and (m["straggler_score"] or 0) >= THRESHOLD
@@ -227,11 +228,11 @@ def test_two_peers_at_min_np_keep_their_straggler(
         cluster: Cluster, client: EtcdClient, unique_job: str, tmp_path: Path) -> None:
     end = tmp_path / "end"
     peers = start(cluster, 2, end, PEER_ELASTIC_STRAGGLER_POLICY="evict",
-                  PEER_ELASTIC_MIN_NP=2)
+                  PEER_ELASTIC_MIN_NP=2, WORKER_SLOW_DIR=tmp_path)
     slow = peers[1]
     member = member_of(slow)
     measured(client, unique_job, 2)
-    with DutyCycle(slow.pid):
+    with SlowCompute(tmp_path, slow.pid, extra_s=0.4):
         found = poll("straggler event", lambda: straggler_events(client, unique_job), 60)
         wait_more_steps(peers[0], 5)
     event = found[0]  # type: ignore[index]
