@@ -38,8 +38,8 @@ from tests.helpers.schedules import (
     run_plan,
 )
 
-SEEDS = fresh_seeds(1)
-HOST_SEEDS = fresh_seeds(1)
+SEEDS = fresh_seeds(1, "local")
+HOST_SEEDS = fresh_seeds(1, "hosts")
 N_EVENTS = events_from_env(6)
 
 
