@@ -17,7 +17,10 @@ from peer_elastic.ops.timeline import read_timeline
 from peer_elastic.records import ProgressRecord
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = JobSettings(start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3, join_timeout_s=1.0)
+# min_np 2: the first generation waits for the second peer, however slowly a loaded machine
+# starts it (a settle window alone may close on one).
+FAST = JobSettings(min_np=2, start_settle_s=0.2, settle_s=0.05, lease_ttl_s=3,
+                   join_timeout_s=1.0)
 SVG = "{http://www.w3.org/2000/svg}"
 
 

@@ -135,10 +135,13 @@ class Server:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str],
-              cwd: Path) -> ForkedProcess:
+    def wait_ready(self) -> None:
         if not self._ready.wait(START_TIMEOUT_S) or self._failure:
             raise RuntimeError(f"the prefork server did not start: {self._failure}")
+
+    def spawn(self, module: str, args: list[str], env: dict[str, str],
+              cwd: Path) -> ForkedProcess:
+        self.wait_ready()
         import json
 
         read_fd, write_fd = os.pipe()
@@ -190,6 +193,8 @@ class Pool:
                     return None
                 group = self._groups[key] = [Server(dict(key))
                                              for _ in range(self.servers_per_group)]
+                for server in group:  # so that a server slower to start delays none of
+                    server.wait_ready()  # the peers started together
             self._turn += 1
             return group[self._turn % len(group)]
 
