@@ -107,15 +107,30 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers()
 
 
+def _over_several_workers(config: pytest.Config) -> bool:
+    workerinput = getattr(config, "workerinput", None)
+    return workerinput is not None and int(workerinput["workercount"]) >= 2
+
+
 def _run_lock(config: pytest.Config) -> RunLock | None:
     """The lock the workers of this run share, or None outside a run over several workers.
 
     Its files lie in the run's temp directory: xdist gives each worker a ``--basetemp`` one
     level below it."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None or int(workerinput["workercount"]) < 2 or not config.option.basetemp:
+    if not _over_several_workers(config) or not config.option.basetemp:
         return None
     return RunLock(Path(config.option.basetemp).parent)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Over several workers, which take the tests in this order one or two at a time
+    # (--maxschedchunk 1): the long ones first, so that none starts last and runs on alone
+    # while the other workers are done; the short ones fill in at the end; a test that runs
+    # alone waits for the others' current tests, which are short then. Every worker sorts
+    # alike, so they agree on the collection.
+    if _over_several_workers(config):
+        items.sort(key=lambda item: (item.get_closest_marker("alone") is not None,
+                                     item.get_closest_marker("slow") is None))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

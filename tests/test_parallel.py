@@ -86,6 +86,10 @@ def test_alone(tmp_path_factory):
 @pytest.mark.parametrize("i", range(6))
 def test_shared(tmp_path_factory, i):
     record(tmp_path_factory, f"shared{i}")
+
+@pytest.mark.slow
+def test_long(tmp_path_factory):
+    record(tmp_path_factory, "long")
 """
 
 
@@ -93,21 +97,24 @@ def test_shared(tmp_path_factory, i):
 def test_a_run_over_two_workers_keeps_an_alone_test_alone(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     # The real hooks (conftest.py) in a run over two xdist workers: the shared tests overlap
-    # one another, and none overlaps the test marked alone.
+    # one another; the slow test runs first (the file has it last), the one marked alone
+    # last, after all the others ended.
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
-    pytester.makeini("[pytest]\nmarkers =\n    alone: runs alone\n")
+    pytester.makeini("[pytest]\nmarkers =\n    alone: runs alone\n    slow: long\n")
     pytester.makepyfile(test_inner=INNER_TEST)
     # The inner run starts in a temp dir: let it import the helpers from this checkout.
     pythonpath = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), pythonpath) if p))
     base = pytester.path / "base"
-    result = pytester.runpytest_subprocess("-n", "2", "--dist", "worksteal", "-p",
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "load", "-p",
                                            "no:cacheprovider", f"--basetemp={base}", timeout=120)
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=8)
     rows = [json.loads(line) for line in (base / "intervals.jsonl").read_text().splitlines()]
     (alone,) = [(t0, t1) for name, t0, t1, _ in rows if name == "alone"]
     shared = [(t0, t1) for name, t0, t1, _ in rows if name != "alone"]
     assert len({w for *_, w in rows}) == 2, rows  # both workers ran tests
-    assert all(t1 <= alone[0] or t0 >= alone[1] for t0, t1 in shared), rows
+    assert all(t1 <= alone[0] for _, t1 in shared), rows
+    (long_worker,) = [w for name, *_, w in rows if name == "long"]
+    assert min((t0, name) for name, t0, _, w in rows if w == long_worker)[1] == "long", rows
     assert any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(shared)
                for b0, b1 in shared[i + 1:]), rows  # the others did run side by side
