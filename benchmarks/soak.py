@@ -9,14 +9,14 @@ when every run passed; the failing seeds are printed for replay.
     python benchmarks/soak.py --events 200                # one long run, random seed
     python benchmarks/soak.py --events 30 --runs 5        # five normal-size runs
     python benchmarks/soak.py --seed 1234 --events 30     # replay a seed
-    PEER_ELASTIC_CHAOS_EVENTS=200 python -m pytest tests/test_chaos.py -s   # the same, in pytest
+    PEER_ELASTIC_CHAOS_EVENTS=200 python -m pytest tests/test_chaos.py -n 0 -s   # the same, in pytest
 
 ``--schedules`` soaks the model-based schedules of tests/test_schedules.py instead (a seeded
 API pattern plus events, tests/helpers/schedules.py), many seeds in a row; each run's verdict
 is PASSED or FAILED, with the seed to replay it:
 
     python benchmarks/soak.py --schedules --runs 20 [--events 8] [--seed N] [--hosts 3]
-    PEER_ELASTIC_SCHEDULE_SEED=N python -m pytest tests/test_schedules.py -s   # replay one
+    PEER_ELASTIC_SCHEDULE_SEED=N python -m pytest tests/test_schedules.py -n 0 -s   # replay one
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def soak_schedules(seed: int, runs: int, events: int, log_root: Path,
             print(oc.report(), flush=True)
     print(f"SOAK schedules: {len(verdicts['PASSED'])} passed, {len(verdicts['FAILED'])} "
           f"failed {verdicts['FAILED']}; replay one with PEER_ELASTIC_SCHEDULE_SEED=<seed> "
-          f"PEER_ELASTIC_SCHEDULE_EVENTS={events} pytest tests/test_schedules.py -s"
+          f"PEER_ELASTIC_SCHEDULE_EVENTS={events} pytest tests/test_schedules.py -n 0 -s"
           + (" -k several_hosts" if hosts is not None else ""), flush=True)
     return 1 if verdicts["FAILED"] else 0
 

@@ -14,6 +14,10 @@ Which etcd the tests talk to, in order:
 One session-scoped server serves every test that only needs *an* etcd; such tests keep
 out of each other's way by using their own job name (``unique_job``). Tests that kill,
 restart or compact etcd take ``fresh_etcd`` or ``etcd_cluster`` and get their own.
+
+The suite runs over pytest-xdist workers (``-n auto`` in pyproject's addopts; ``-n 0`` runs
+it in this process): every worker starts its own session etcd, and a test marked ``alone``
+runs with no other test at the same time (tests/helpers/parallel.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from peer_elastic.etcd_server import (
     free_port,
 )
 from peer_elastic.testing import EtcdCluster
+from tests.helpers.parallel import RunLock, auto_workers
 
 if TYPE_CHECKING:
     from peer_elastic.etcd.client import EtcdClient
@@ -93,6 +98,49 @@ def docker_available(timeout: float = 1.0) -> bool:
 def sanitise_job_name(text: str, max_len: int = 100) -> str:
     """Map ``text`` onto ``[A-Za-z0-9_.-]``, at most ``max_len`` characters."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:max_len]
+
+
+# --- running over several workers -------------------------------------------------------------
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return auto_workers()
+
+
+def _over_several_workers(config: pytest.Config) -> bool:
+    workerinput = getattr(config, "workerinput", None)
+    return workerinput is not None and int(workerinput["workercount"]) >= 2
+
+
+def _run_lock(config: pytest.Config) -> RunLock | None:
+    """The lock the workers of this run share, or None outside a run over several workers.
+
+    Its files lie in the run's temp directory: xdist gives each worker a ``--basetemp`` one
+    level below it."""
+    if not _over_several_workers(config) or not config.option.basetemp:
+        return None
+    return RunLock(Path(config.option.basetemp).parent)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Over several workers, which take the tests in this order one or two at a time
+    # (--maxschedchunk 1): the long ones first, so that none starts last and runs on alone
+    # while the other workers are done; the short ones fill in at the end; a test that runs
+    # alone waits for the others' current tests, which are short then. Every worker sorts
+    # alike, so they agree on the collection.
+    if _over_several_workers(config):
+        items.sort(key=lambda item: (item.get_closest_marker("alone") is not None,
+                                     item.get_closest_marker("slow") is None))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Outermost (tryfirst): the wait for the lock is not part of the test's own timeout.
+    lock = _run_lock(item.config)
+    if lock is None:
+        return (yield)
+    with lock.hold(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 # --- fixtures ------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ The seed is printed (``CHAOS SEED <seed>``) and is part of every failure message
 run with ``PEER_ELASTIC_CHAOS_SEED=<seed>``. Every peer's full output and the etcd logs are
 kept under the test's tmp_path (``chaos-<seed>/``). Schedule and runner: tests/helpers/chaos.py.
 
-    python -m pytest tests/test_chaos.py -s                                # ~30 s, every kind once
-    PEER_ELASTIC_CHAOS_SEED=1234 python -m pytest tests/test_chaos.py -s   # replay a seed
-    PEER_ELASTIC_CHAOS_EVENTS=200 python -m pytest tests/test_chaos.py -s  # soak (~13 min)
-    python benchmarks/soak.py --events 200 [--seed N] [--runs K]           # the same, no pytest
+    python -m pytest tests/test_chaos.py -n 0 -s                               # ~30 s, each kind
+    PEER_ELASTIC_CHAOS_SEED=1234 python -m pytest tests/test_chaos.py -n 0 -s  # replay a seed
+    PEER_ELASTIC_CHAOS_EVENTS=200 python -m pytest tests/test_chaos.py -n 0 -s # soak (~13 min)
+    python benchmarks/soak.py --events 200 [--seed N] [--runs K]               # the same, no pytest
 """
 
 from __future__ import annotations

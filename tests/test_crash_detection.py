@@ -242,6 +242,7 @@ def test_a_stopped_member_is_not_taken_for_dead(etcd: str, unique_job: str, tmp_
         client.close()
 
 
+@pytest.mark.alone  # its own busy loops load both CPUs: no other test beside them
 def test_crash_resets_under_cpu_load_drop_no_healthy_member(etcd: str, unique_job: str,
                                                             tmp_path) -> None:
     # The load test, short: two busy loops on the CPUs, a peer crashed and restarted

@@ -228,6 +228,7 @@ def test_loopback_names_addresses_and_allowed_names_are_served(
     assert status == 200 and json.loads(body)["job"] == dashboard.state.job
 
 
+@pytest.mark.alone  # which of two timers closes a connection first
 def test_a_slow_or_idle_connection_is_closed_after_the_request_timeout(
         dashboard: Dashboard) -> None:
     port = port_of(dashboard)

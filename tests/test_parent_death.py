@@ -179,6 +179,7 @@ def test_children_started_with_a_preexec_fn_beside_busy_grpc_all_start(
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # any etcd server started meanwhile would sweep the dir it checks
 def test_a_killed_standalone_launcher_takes_its_peers_and_its_etcd_with_it(
         unique_job: str) -> None:
     """``peer-elastic run --standalone`` SIGKILLed mid-training: its etcd shuts down and its

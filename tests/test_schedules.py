@@ -4,11 +4,11 @@ exactly-once oracle, a digest comparison across ranks, exit codes and no process
 
 Every run draws fresh seeds (printed as ``SCHEDULE SEED <seed>``, and in the test id).
 
-    python -m pytest tests/test_schedules.py -s                                  # fresh seeds
-    PEER_ELASTIC_SCHEDULE_SEED=123 python -m pytest tests/test_schedules.py -s   # replay one
-    PEER_ELASTIC_SCHEDULE_EVENTS=20 ...                                          # longer ones
-    python benchmarks/soak.py --schedules --runs 20                              # soak many
-    python benchmarks/soak.py --schedules --runs 20 --hosts 3                    # on 3 hosts
+    python -m pytest tests/test_schedules.py -n 0 -s                                  # fresh seeds
+    PEER_ELASTIC_SCHEDULE_SEED=123 python -m pytest tests/test_schedules.py -n 0 -s   # replay one
+    PEER_ELASTIC_SCHEDULE_EVENTS=20 ...                                                # longer ones
+    python benchmarks/soak.py --schedules --runs 20                                    # soak many
+    python benchmarks/soak.py --schedules --runs 20 --hosts 3                          # on 3 hosts
 
 ``test_schedule_exactly_once_on_several_hosts`` runs one more fresh seed with the peers spread
 over three hosts (network namespaces, tests/helpers/hosts.py; needs root, else skipped),
@@ -38,8 +38,8 @@ from tests.helpers.schedules import (
     run_plan,
 )
 
-SEEDS = fresh_seeds(1)
-HOST_SEEDS = fresh_seeds(1)
+SEEDS = fresh_seeds(1, "local")
+HOST_SEEDS = fresh_seeds(1, "hosts")
 N_EVENTS = events_from_env(6)
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.helpers import prefork
 from tests.helpers.at_exit import PREFIX as THREADS_AT_EXIT
 from tests.helpers.worker_lines import results
 
@@ -25,7 +26,9 @@ class PeerProc:
     """One subprocess whose stdout lines are collected by a thread."""
 
     def __init__(self, args: list[str], env: dict[str, str], name: str,
-                 stacks_signal: int | None = None) -> None:
+                 stacks_signal: int | None = None, forked: bool = False) -> None:
+        """``forked``: a ``python -m`` peer may be started as a fork of a process that has
+        imported torch already (tests/helpers/prefork.py), which spares it that import."""
         self.name = name
         # A signal the process answers by writing every thread's stack (faulthandler), sent
         # when it does not exit in time, so the failure says where it hangs.
@@ -33,7 +36,8 @@ class PeerProc:
         self.lines: list[str] = []
         self.arrived: list[float] = []  # time.monotonic() when each line was read
         self.cond = threading.Condition()
-        self.proc = subprocess.Popen(
+        proc = prefork.start(args, env, ROOT) if forked else None
+        self.proc: subprocess.Popen[str] | prefork.ForkedProcess = proc or subprocess.Popen(
             args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )
@@ -214,7 +218,8 @@ class Cluster:
             argv = [sys.executable, "-m", module]
             p = PeerProc(argv if wrap is None else wrap(argv), env,
                          f"peer{len(self.peers)}{'@' + where if where else ''}",
-                         stacks_signal=signal.SIGUSR1 if module in STACKS_ON_SIGUSR1 else None)
+                         stacks_signal=signal.SIGUSR1 if module in STACKS_ON_SIGUSR1 else None,
+                         forked=wrap is None)
             self.peers.append(p)
             out.append(p)
         return out

@@ -450,10 +450,24 @@ def seed_from_env(environ: dict[str, str] | None = None) -> int | None:
     return int(raw) if raw else None
 
 
-def fresh_seeds(n: int) -> list[int]:
-    """``[$PEER_ELASTIC_SCHEDULE_SEED]`` when set (a replay), else ``n`` fresh seeds."""
+#: Set by pytest-xdist in every worker of a run: the run's id, the same in all of them.
+RUN_ID_ENV = "PYTEST_XDIST_TESTRUNUID"
+
+
+def fresh_seeds(n: int, name: str = "") -> list[int]:
+    """``[$PEER_ELASTIC_SCHEDULE_SEED]`` when set (a replay), else ``n`` fresh seeds.
+
+    The seeds are part of the test ids, and the workers of a run spread over pytest-xdist
+    each collect the tests: there they must agree, so the seeds come from the run's id (fresh
+    for every run), drawn apart for each ``name``."""
     s = seed_from_env()
-    return [s] if s is not None else [secrets.randbelow(1_000_000_000) for _ in range(n)]
+    if s is not None:
+        return [s]
+    run_id = os.environ.get(RUN_ID_ENV)
+    if run_id:
+        rng = random.Random(f"{run_id}:{name}")
+        return [rng.randrange(1_000_000_000) for _ in range(n)]
+    return [secrets.randbelow(1_000_000_000) for _ in range(n)]
 
 
 def events_from_env(default: int) -> int:

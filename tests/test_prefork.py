@@ -1,0 +1,143 @@
+"""Peers forked by a prefork server (tests/helpers/prefork.py) are processes as their own
+programs would be: the harness sees the same pid, exit codes, signals and output, and the
+peer sees the same process, environment and interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import prefork
+from tests.helpers.procs import ROOT, PeerProc, gone
+
+PROBE = "tests.helpers.prefork_probe"
+WAIT_S = 60.0
+
+
+def probe_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", PEER_ELASTIC_JOB="probe", **extra)
+
+
+def described(p: PeerProc) -> dict:
+    return json.loads(p.wait_line("PROBE ", timeout=WAIT_S).split(" ", 1)[1])
+
+
+def forked(*args: str, env: dict[str, str] | None = None) -> PeerProc:
+    p = PeerProc([sys.executable, "-m", PROBE, *args], env or probe_env(), "forked",
+                 forked=True)
+    assert isinstance(p.proc, prefork.ForkedProcess)
+    return p
+
+
+def test_a_forked_peer_is_the_process_its_own_program_would_be(tmp_path: Path) -> None:
+    env = probe_env(WORKER_SAMPLES="7")
+    own = PeerProc([sys.executable, "-m", PROBE], env, "own")
+    peer = forked(env=env)
+    try:
+        a, b = described(own), described(peer)
+        assert own.wait(WAIT_S) == 0 and peer.wait(WAIT_S) == 0
+    finally:
+        own.kill()
+        peer.kill()
+    assert b["pid"] == peer.pid != os.getpid()
+    assert b["sid"] == b["pgid"] == b["pid"]  # its own session and process group
+    assert b["env"] == a["env"] == env
+    assert b["cwd"] == a["cwd"] == str(ROOT)
+    assert b["argv"] == a["argv"] and b["argv"][0].endswith("prefork_probe.py")
+    assert b["path0"] == a["path0"] and b["name"] == a["name"] == "__main__"
+    assert b["fds"] == a["fds"]  # nothing of the server's left open
+    assert b["stdin"] == "/dev/null" and b["stdout_is_stderr"] and a["stdout_is_stderr"]
+    assert not b["grpc"] and b["threads"] == a["threads"] == 1
+
+
+def test_exit_codes_and_signals_reach_the_harness() -> None:
+    peers = [forked("exit", "3"), forked("raise"), forked("wait"), forked("wait"),
+             forked("linger")]
+    try:
+        code3, raised, killed, stopped, linger = peers
+        assert code3.wait(WAIT_S) == 3
+        assert raised.wait(WAIT_S) == 1
+        assert "RuntimeError: the probe raised" in raised.output()  # stderr: same pipe
+        described(killed)
+        killed.signal(signal.SIGKILL)
+        assert killed.wait(WAIT_S) == -signal.SIGKILL
+        described(stopped)
+        stopped.signal(signal.SIGSTOP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            stopped.proc.wait(0.5)
+        assert stopped.proc.poll() is None
+        stopped.signal(signal.SIGCONT)
+        stopped.signal(signal.SIGTERM)
+        assert stopped.wait(WAIT_S) == -signal.SIGTERM
+        assert linger.wait(WAIT_S) == 0
+        linger.wait_line("AT-EXIT", timeout=WAIT_S)  # the interpreter's own exit ran
+    finally:
+        for p in peers:
+            p.kill()
+
+
+def test_an_exited_peer_stays_a_zombie_until_the_harness_reads_its_exit() -> None:
+    # As a child of the harness's own would: its pid is not reused while the test may
+    # still signal it.
+    p = forked("exit", "0")
+    try:
+        described(p)
+        deadline = time.monotonic() + WAIT_S
+        while not gone(p.pid):  # exited: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert Path(f"/proc/{p.pid}").exists()
+        assert p.wait(WAIT_S) == 0
+        deadline = time.monotonic() + WAIT_S
+        while Path(f"/proc/{p.pid}").exists():  # reaped once read
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        p.kill()
+
+
+def test_peers_started_one_after_the_other_draw_their_own_seeds() -> None:
+    peers = [forked(), forked()]
+    try:
+        a, b = (described(p) for p in peers)
+        for p in peers:
+            assert p.wait(WAIT_S) == 0
+    finally:
+        for p in peers:
+            p.kill()
+    assert a["str_hash"] != b["str_hash"]  # different servers: different hash seeds
+    assert a["numpy_draw"] != b["numpy_draw"]
+
+
+def test_a_different_startup_environment_gets_a_server_of_its_own() -> None:
+    env = probe_env(OMP_NUM_THREADS="1")  # read by OpenMP as torch is imported
+    assert prefork.startup_env(env) != prefork.startup_env(probe_env())
+    assert prefork.startup_env(probe_env(WORKER_X="1")) == prefork.startup_env(probe_env())
+    pool = prefork.Pool(servers_per_group=1, max_groups=1)
+    argv = [sys.executable, "-m", PROBE]
+    try:
+        proc = pool.start(argv, env)
+        assert isinstance(proc, prefork.ForkedProcess)
+        assert pool.start(argv, probe_env()) is None  # beyond max_groups: its own program
+        assert proc.wait(WAIT_S) == 0
+        assert json.loads(proc.stdout.read().split(" ", 1)[1])["env"]["OMP_NUM_THREADS"] == "1"
+    finally:
+        pool.close()
+
+
+def test_without_prefork_a_peer_is_its_own_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prefork.ENABLE_ENV, "0")
+    p = PeerProc([sys.executable, "-m", PROBE], probe_env(), "own", forked=True)
+    try:
+        assert isinstance(p.proc, subprocess.Popen)
+        assert described(p)["ppid"] == os.getpid()
+        assert p.wait(WAIT_S) == 0
+    finally:
+        p.kill()
