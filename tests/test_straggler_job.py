@@ -45,7 +45,9 @@ from tests.helpers.worker_lines import (
     wait_world,
 )
 
-pytestmark = pytest.mark.slow
+# Alone: they judge how long detection takes, and a second test beside them slows the job
+# they time.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 WINDOW_S = 5.0
 COOLDOWN_S = 2.0
