@@ -110,6 +110,7 @@ def _settled(snap, count: int) -> bool:  # noqa: ANN001
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # 256 members on one etcd load both CPUs, and it times their leases
 # Seen twice in the full suite (never alone, in 8 runs): every member's lease expired under
 # the load, all 256 rejoined, the job settled, and one more lease expired within the 5 s it
 # must stay settled. Its own etcd rules out the shared one's accumulated state; until the
