@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,20 @@ def described(p: PeerProc) -> dict:
     return json.loads(p.wait_line("PROBE ", timeout=WAIT_S).split(" ", 1)[1])
 
 
+#: This module's own servers: the pool shared by a pytest process serves the first few
+#: startup environments its tests asked for, and these tests may come after them.
+POOL = prefork.Pool(max_groups=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pool() -> Iterator[None]:
+    yield
+    POOL.close()
+
+
 def forked(*args: str, env: dict[str, str] | None = None) -> PeerProc:
     p = PeerProc([sys.executable, "-m", PROBE, *args], env or probe_env(), "forked",
-                 forked=True)
+                 forked=True, pool=POOL)
     assert isinstance(p.proc, prefork.ForkedProcess)
     return p
 
@@ -134,7 +146,7 @@ def test_a_different_startup_environment_gets_a_server_of_its_own() -> None:
 
 def test_without_prefork_a_peer_is_its_own_program(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(prefork.ENABLE_ENV, "0")
-    p = PeerProc([sys.executable, "-m", PROBE], probe_env(), "own", forked=True)
+    p = PeerProc([sys.executable, "-m", PROBE], probe_env(), "own", forked=True, pool=POOL)
     try:
         assert isinstance(p.proc, subprocess.Popen)
         assert described(p)["ppid"] == os.getpid()

@@ -26,9 +26,11 @@ class PeerProc:
     """One subprocess whose stdout lines are collected by a thread."""
 
     def __init__(self, args: list[str], env: dict[str, str], name: str,
-                 stacks_signal: int | None = None, forked: bool = False) -> None:
+                 stacks_signal: int | None = None, forked: bool = False,
+                 pool: prefork.Pool | None = None) -> None:
         """``forked``: a ``python -m`` peer may be started as a fork of a process that has
-        imported torch already (tests/helpers/prefork.py), which spares it that import."""
+        imported torch already (tests/helpers/prefork.py), which spares it that import;
+        by a server of ``pool``, or else of the pool this pytest process shares."""
         self.name = name
         # A signal the process answers by writing every thread's stack (faulthandler), sent
         # when it does not exit in time, so the failure says where it hangs.
@@ -36,7 +38,10 @@ class PeerProc:
         self.lines: list[str] = []
         self.arrived: list[float] = []  # time.monotonic() when each line was read
         self.cond = threading.Condition()
-        proc = prefork.start(args, env, ROOT) if forked else None
+        proc = None
+        if forked:
+            proc = (pool.start(args, env, ROOT) if pool is not None
+                    else prefork.start(args, env, ROOT))
         self.proc: subprocess.Popen[str] | prefork.ForkedProcess = proc or subprocess.Popen(
             args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
