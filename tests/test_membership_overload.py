@@ -237,6 +237,26 @@ def test_a_keepalive_stream_cut_short_keeps_the_answers_it_got(etcd: str) -> Non
         granter.close()
 
 
+def test_the_ttls_of_many_leases_are_asked_in_one_call(etcd: str) -> None:
+    """Real etcd: lease_ttls answers for every lease, -1 for the revoked and the unknown
+    ones (a lease keeper confirms a round's lost leases with it)."""
+    from peer_elastic.etcd.client import EtcdClient
+
+    client = EtcdClient(etcd)
+    leases = [client.grant(30) for _ in range(300)]
+    try:
+        client.revoke(leases[7])
+        unknown = max(leases) + 12345
+        ttls = client.lease_ttls([*leases, unknown])
+        assert set(ttls) == {*leases, unknown}
+        assert ttls[leases[7]] == -1 and ttls[unknown] == -1
+        assert all(0 < ttls[i] <= 30 for i in leases if i != leases[7])
+    finally:
+        for lease_id in leases:
+            client.revoke(lease_id)
+        client.close()
+
+
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     """One line of the worker's output within ``timeout`` (a thread reads it: the pipe has
     no timeout of its own)."""
