@@ -110,12 +110,6 @@ def _settled(snap, count: int) -> bool:  # noqa: ANN001
 
 
 @pytest.mark.slow
-# Seen twice in the full suite (never alone, in 8 runs): every member's lease expired under
-# the load, all 256 rejoined, the job settled, and one more lease expired within the 5 s it
-# must stay settled. Its own etcd rules out the shared one's accumulated state; until the
-# cause is known the test runs, and its outcome is reported, without failing the suite.
-@pytest.mark.xfail(strict=False, reason="a lease can still expire after the overloaded "
-                   "worker settled, seen in the full suite only")
 def test_an_overloaded_worker_of_256_members_settles(fresh_etcd: EtcdServer,
                                                       unique_job: str) -> None:
     from peer_elastic.etcd.client import EtcdClient
