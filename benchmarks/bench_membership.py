@@ -202,20 +202,28 @@ class Worker:
         self.closed_stats: dict[str, int] = {}
         self.run_lease = 0
 
-    def join(self, k: int) -> list[dict[str, Any]]:
-        out = []
-        for _ in range(k):
+    def join(self, k: int, at_once: int = 1) -> list[dict[str, Any]]:
+        """Register ``k`` members, ``at_once`` of them side by side (as that many peers
+        starting together would); each waits until its own view shows it."""
+        lock = threading.Lock()
+
+        def one(_: int) -> dict[str, Any]:
             c = Coordinator(self.client, self.job, self.settings, host=f"w{self.idx}",
                             view=self.view, keeper=self.keeper)
-            self.counter.local.last_txn = 0.0
+            self.counter.local.last_txn = 0.0  # thread-local: this registration's own
             c.start()
             ret = time.time()
-            self.coords[c.member_id] = c
-            self.run_lease = c.run.lease_id if c.run is not None else 0
+            with lock:
+                self.coords[c.member_id] = c
+                self.run_lease = c.run.lease_id if c.run is not None else 0
             m = self.view.snapshot().members.get(c.member_id)
-            out.append({"id": c.member_id, "put_t": self.counter.local.last_txn, "ret_t": ret,
-                        "rev": m.create_revision if m else 0, "worker": self.idx})
-        return out
+            return {"id": c.member_id, "put_t": self.counter.local.last_txn, "ret_t": ret,
+                    "rev": m.create_revision if m else 0, "worker": self.idx}
+
+        if at_once <= 1:
+            return [one(i) for i in range(k)]
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
+            return list(pool.map(one, range(k)))
 
     def probe(self, probes: dict[str, list[Any]]) -> bool:
         for name, spec in probes.items():
@@ -426,11 +434,13 @@ def run_size(server: EtcdServer, n: int, args: argparse.Namespace,
                                            "join_acked": ["full_acked", n, 0]}})
         shares = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         cj0 = pool.call_all("counts")
-        # Each worker registers its share one after another, each waiting until its view
-        # shows it: on a loaded machine that takes longer than one reply's usual wait.
-        joined = [m for r in pool.call_all("join", [{"k": k} for k in shares],
-                                           max(REPLY_TIMEOUT_S, 0.5 * max(shares)))
-                  for m in r]
+        # Each worker registers its share (--register-at-once side by side), each member
+        # waiting until its view shows it: on a loaded machine that takes longer than one
+        # reply's usual wait.
+        joined = [m for r in pool.call_all(
+            "join", [{"k": k, "at_once": args.register_at_once} for k in shares],
+            max(REPLY_TIMEOUT_S, 0.5 * max(shares)))
+            for m in r]
         last_put = max(m["put_t"] for m in joined)
         first_put = min(m["put_t"] for m in joined)
         res = pool.call_all("wait", {"names": ["join_full", "join_acked"], "timeout": 60}, 90)
@@ -660,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="comma-separated N (default 8,64,256; "
                                                   "--quick: 8,64)")
     ap.add_argument("--procs", type=int, default=4, help="worker processes (default 4)")
+    ap.add_argument("--register-at-once", type=int, default=1,
+                    help="members each worker registers side by side (default 1: one after "
+                         "another)")
     ap.add_argument("--quick", action="store_true", help="short windows, fewer repetitions")
     ap.add_argument("--leaves", type=int, default=None, help="non-leader leaves per N (8; quick 5)")
     ap.add_argument("--late-joins", type=int, default=None, help="late joins per N (3; quick 2)")

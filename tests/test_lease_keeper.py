@@ -1,4 +1,4 @@
-"""LeaseKeeper: batched refreshes, the run lease's own lane, loss confirmed per lease.
+"""LeaseKeeper: batched refreshes, the run lease's own lane, loss confirmed before believed.
 
 Unit tests against a fake client (the real keep-alive stream is exercised by every
 coordination test)."""
@@ -16,7 +16,7 @@ WAIT_S = 20.0  # generous: the machine may be loaded
 
 
 class FakeLeases:
-    """keepalive / keepalive_many of an etcd that knows ``alive`` leases.
+    """keepalive / keepalive_many / lease_ttls of an etcd that knows ``alive`` leases.
 
     ``stall`` (when set) blocks every multi-lease round until released: a member lane
     stuck behind an overloaded etcd or process."""
@@ -26,9 +26,12 @@ class FakeLeases:
         self.lock = threading.Condition()
         self.single: dict[int, int] = {}
         self.rounds: list[list[int]] = []
+        self.confirmations: list[list[int]] = []  # lease_ttls calls
         self.stall: threading.Event | None = None
         #: Most answers a round gets before its stream is cut short (None: all of them).
         self.answers_per_round: int | None = None
+        #: Leases a round answers with TTL 0 although they are alive.
+        self.answer_zero: set[int] = set()
 
     def keepalive(self, lease_id: int, budget_s: float | None = None) -> int:
         with self.lock:
@@ -47,7 +50,14 @@ class FakeLeases:
             self.rounds.append(list(lease_ids))
             self.lock.notify_all()
             answered = list(lease_ids)[:self.answers_per_round]
-            return {i: (10 if i in self.alive else 0) for i in answered}
+            return {i: (10 if i in self.alive - self.answer_zero else 0) for i in answered}
+
+    def lease_ttls(self, lease_ids: Sequence[int],
+                   budget_s: float | None = None) -> dict[int, int]:
+        with self.lock:
+            self.confirmations.append(list(lease_ids))
+            self.lock.notify_all()
+            return {i: (10 if i in self.alive else -1) for i in lease_ids}
 
     def wait(self, predicate, timeout: float = WAIT_S) -> bool:  # noqa: ANN001
         with self.lock:
@@ -68,7 +78,7 @@ def test_leases_due_together_are_refreshed_in_one_round() -> None:
         keeper.stop()
 
 
-def test_a_lease_missing_from_a_round_is_confirmed_alone_before_it_is_lost() -> None:
+def test_a_lease_a_round_answered_as_gone_is_confirmed_before_it_is_lost() -> None:
     fake = FakeLeases({1, 2, 3})
     keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
     lost: list[int] = []
@@ -83,9 +93,57 @@ def test_a_lease_missing_from_a_round_is_confirmed_alone_before_it_is_lost() -> 
             keeper.keep(lease_id, 0.6, on_lost)
         assert gone.wait(WAIT_S)
         assert lost == [4]
-        assert fake.single.get(4, 0) >= 1  # confirmed on its own, not taken from the round
+        assert fake.confirmations[0] == [4]  # asked again, not taken from the round
         assert fake.wait(lambda: sum(r.count(1) for r in fake.rounds) >= 2)  # others go on
         assert keeper.scheduled(4) == 0 and keeper.scheduled(1) == 1
+    finally:
+        keeper.stop()
+
+
+def test_leases_lost_together_are_confirmed_together_and_rejoined_ones_kept_alive() -> None:
+    """An overload that expired every member's lease: the lane confirms them all in one
+    call (one by one, two round trips each, the leases the members rejoined with waited
+    behind hundreds of them, past their own TTL), and keeps the new leases alive."""
+    fake = FakeLeases(set())
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    lost: list[int] = []
+
+    def rejoin(lease_id: int, _why: str) -> None:  # as a member does: a new lease
+        with fake.lock:
+            lost.append(lease_id)
+            fake.alive.add(1000 + lease_id)
+        keeper.keep(1000 + lease_id, 0.6, rejoin)
+
+    try:
+        for lease_id in range(1, 201):
+            keeper.keep(lease_id, 0.6, rejoin)
+        assert fake.wait(lambda: len(lost) == 200)
+        confirmed = [i for c in fake.confirmations for i in c]
+        assert sorted(confirmed) == list(range(1, 201))
+        assert len(fake.confirmations) <= 10 and not fake.single
+        # every rejoined lease is refreshed, again and again, and none is lost
+        assert fake.wait(lambda: all(sum(r.count(1000 + i) for r in fake.rounds) >= 2
+                                     for i in range(1, 201)))
+        assert len(lost) == 200
+    finally:
+        keeper.stop()
+
+
+def test_a_lease_etcd_still_knows_is_kept_and_refreshed_soon() -> None:
+    """A round's TTL 0 that TimeToLive contradicts is not a loss."""
+    fake = FakeLeases({1, 2})
+    fake.answer_zero = {2}
+    keeper = LeaseKeeper(fake)  # type: ignore[arg-type]
+    lost: list[int] = []
+    try:
+        for lease_id in (1, 2):  # due together: one round
+            keeper.keep(lease_id, 30, lambda lid, _why: lost.append(lid), refresh_now=True)
+        assert fake.wait(lambda: bool(fake.confirmations))
+        assert fake.confirmations[0] == [2]
+        # refreshed again soon (not after a TTL/3, 10 s), and not lost
+        assert fake.wait(lambda: fake.single.get(2, 0) + sum(r.count(2) for r in fake.rounds)
+                         >= 2, timeout=5.0)
+        assert not lost and keeper.scheduled(2) == 1
     finally:
         keeper.stop()
 

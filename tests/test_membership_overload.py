@@ -111,12 +111,6 @@ def _settled(snap, count: int) -> bool:  # noqa: ANN001
 
 @pytest.mark.slow
 @pytest.mark.alone  # 256 members on one etcd load both CPUs, and it times their leases
-# Seen twice in the full suite (never alone, in 8 runs): every member's lease expired under
-# the load, all 256 rejoined, the job settled, and one more lease expired within the 5 s it
-# must stay settled. Its own etcd rules out the shared one's accumulated state; until the
-# cause is known the test runs, and its outcome is reported, without failing the suite.
-@pytest.mark.xfail(strict=False, reason="a lease can still expire after the overloaded "
-                   "worker settled, seen in the full suite only")
 def test_an_overloaded_worker_of_256_members_settles(fresh_etcd: EtcdServer,
                                                       unique_job: str) -> None:
     from peer_elastic.etcd.client import EtcdClient
@@ -236,6 +230,26 @@ def test_a_keepalive_stream_cut_short_keeps_the_answers_it_got(etcd: str) -> Non
             granter.revoke(lease_id)
         short.close()
         granter.close()
+
+
+def test_the_ttls_of_many_leases_are_asked_in_one_call(etcd: str) -> None:
+    """Real etcd: lease_ttls answers for every lease, -1 for the revoked and the unknown
+    ones (a lease keeper confirms a round's lost leases with it)."""
+    from peer_elastic.etcd.client import EtcdClient
+
+    client = EtcdClient(etcd)
+    leases = [client.grant(30) for _ in range(300)]
+    try:
+        client.revoke(leases[7])
+        unknown = max(leases) + 12345
+        ttls = client.lease_ttls([*leases, unknown])
+        assert set(ttls) == {*leases, unknown}
+        assert ttls[leases[7]] == -1 and ttls[unknown] == -1
+        assert all(0 < ttls[i] <= 30 for i in leases if i != leases[7])
+    finally:
+        for lease_id in leases:
+            client.revoke(lease_id)
+        client.close()
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:

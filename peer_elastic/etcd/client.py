@@ -582,6 +582,45 @@ class EtcdClient:
             return {}
         return self._call(do, f"keep {len(ids)} leases alive", budget_s)
 
+    def lease_ttls(self, lease_ids: Sequence[int],
+                   budget_s: float | None = None) -> dict[int, int]:
+        """Seconds left on each of several leases, -1 for one etcd does not know.
+
+        The TimeToLive requests go out side by side and their answers are read together:
+        one round trip for all of them, however many. A process that confirms hundreds of
+        lost member leases one by one spends seconds on it, on the thread that must also
+        refresh the leases its members just rejoined with. Leases whose request failed
+        are left out, for the caller to ask again; only a call with no answer at all raises
+        (and is retried within ``budget_s``).
+        """
+        ids = list(dict.fromkeys(lease_ids))
+
+        def do() -> dict[int, int]:
+            futures = {i: self._raw.leasestub.LeaseTimeToLive.future(
+                etcdrpc.LeaseTimeToLiveRequest(ID=i), self.timeout_s,
+                credentials=self._raw.call_credentials, metadata=self._raw.metadata)
+                for i in ids}
+            out: dict[int, int] = {}
+            failure: grpc.RpcError | None = None
+            header = None
+            for lease_id, future in futures.items():
+                try:
+                    resp = future.result()
+                except grpc.RpcError as exc:
+                    failure = exc
+                    continue
+                out[lease_id] = resp.TTL
+                header = resp.header
+            if failure is not None and not out:
+                raise failure
+            if header is not None:
+                self._disruptions.note_header(header)
+            return out
+
+        if not ids:
+            return {}
+        return self._call(do, f"ask the TTL of {len(ids)} leases", budget_s)
+
     def revoke(self, lease_id: int, budget_s: float | None = None) -> bool:
         """Revoke a lease (and delete its keys). False when it was already gone."""
         try:

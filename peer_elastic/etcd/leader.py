@@ -167,7 +167,10 @@ class Leader:
         self.writes = writer == self.writer.member_id
         if not self.writes:
             self._departure_seq = snap.departures[-1].seq if snap.departures else 0
-            return None
+            # It becomes the writer if the members ahead of it fall silent: look again
+            # then (otherwise on the next change; see Coordinator's idle tick).
+            return None if silent else self._silence_look(snap, settled, cfg, ready_since,
+                                                          alive_since)
         self._count_failures(snap, cfg)
         self._prune_events(snap)
         plan = plan_next_generation(snap, cfg, silent, now, self.roster_budget, deaths)
@@ -209,9 +212,17 @@ class Leader:
                    alive_since: float | None) -> float | None:
         """When a waiting leader must look again without a change: when the planner says,
         or when a roster member's silence could start (see ``silent_members``)."""
-        gen = snap.generation
-        if silent or gen is None or plan.until is not None:
+        if silent or snap.generation is None or plan.until is not None:
             return plan.until
+        return self._silence_look(snap, settled, cfg, ready_since, alive_since)
+
+    def _silence_look(self, snap: ViewSnapshot, settled: float, cfg: JobConfig,
+                      ready_since: float | None, alive_since: float | None) -> float | None:
+        """When a roster member's silence could start (see ``silent_members``); None when
+        no member owes an ack."""
+        gen = snap.generation
+        if gen is None:
+            return None
         floor = max(snap.connected_at, settled)
         deadlines = []
         if ready_since is not None and set(gen.roster) - snap.ready_for(gen.number):

@@ -3,8 +3,9 @@
 etcd's Python clients have no keep-alive loop: ``refresh()`` is one round trip. A
 :class:`LeaseKeeper` runs a daemon thread per :class:`Lane` that refreshes any number of
 leases, each about every TTL/3 (those due together over one stream), and tells the owner at
-once when etcd says a lease is gone (expired or revoked). While etcd is unreachable it keeps trying: etcd restores leases with a full TTL
-when it comes back, so "unreachable" is not "lost". :class:`Session` is one lease with a
+once when etcd says a lease is gone (expired or revoked). While etcd is unreachable it keeps
+trying: etcd restores leases with a full TTL when it comes back, so "unreachable" is not
+"lost". :class:`Session` is one lease with a
 keeper, in the manner of etcd's Go ``concurrency.Session``.
 """
 
@@ -147,7 +148,7 @@ class _RefreshThread:
                 [(lease_id, kept)] = due.items()
                 self._lost(lease_id, kept, str(exc))
                 return
-            ttls = {lease_id: 0 for lease_id in due}  # find out which, one by one
+            ttls = {lease_id: 0 for lease_id in due}  # find out which (_confirm)
         except EtcdAuthError as exc:
             log.error("keeping %d lease(s) alive: %s", len(due), exc)
             self._schedule({i: time.monotonic() + k.interval for i, k in due.items()})
@@ -168,22 +169,43 @@ class _RefreshThread:
             soon = time.monotonic()
             for lease_id in unanswered:
                 next_at[lease_id] = soon + min(due[lease_id].interval, 0.25)
+        # One keep-alive answers a lost lease with an exception (EtcdClient.keepalive has
+        # confirmed it); a round answers TTL 0, confirmed here for all such leases at once.
+        confirmed = self._confirm([i for i in due if ttls.get(i, 1) <= 0], budget) \
+            if len(due) > 1 else {}
         for lease_id, kept in due.items():
             if lease_id not in ttls:
                 continue
-            if ttls[lease_id] <= 0 and len(due) > 1:
-                # etcd did not know it: confirm on its own before believing it (keepalive).
-                try:
-                    self._client.keepalive(lease_id, budget_s=budget)
-                except LeaseNotFound as exc:
-                    self._lost(lease_id, kept, str(exc))
-                    continue
-                except EtcdError:
-                    next_at[lease_id] = time.monotonic() + min(kept.interval, 0.25)
-                    continue
-            kept.last_ok = time.monotonic()
-            next_at[lease_id] = kept.last_ok + kept.interval
+            soon = time.monotonic() + min(kept.interval, 0.25)
+            if lease_id not in confirmed:
+                kept.last_ok = time.monotonic()
+                next_at[lease_id] = kept.last_ok + kept.interval
+            elif confirmed[lease_id] is None:  # no answer yet: ask again soon
+                next_at[lease_id] = soon
+            elif confirmed[lease_id] <= 0:
+                self._lost(lease_id, kept, f"lease {lease_id:x} expired or was revoked")
+            else:
+                # etcd knows it after all, but the round did not refresh it: again soon.
+                kept.last_ok = time.monotonic()
+                next_at[lease_id] = soon
         self._schedule(next_at)
+
+    def _confirm(self, lease_ids: list[int], budget: float) -> dict[int, int | None]:
+        """Ask etcd again about leases a round answered with TTL 0, before believing it
+        (see EtcdClient.keepalive): lease id -> seconds left, or None when not known yet.
+
+        All of them in one call: after an overload expired every member's lease, confirming
+        them one by one took two round trips each on this lane's only thread, and the
+        leases the members rejoined with waited behind that, past their own TTL.
+        """
+        if not lease_ids:
+            return {}
+        try:
+            answered = self._client.lease_ttls(lease_ids, budget_s=budget)
+        except EtcdError as exc:
+            log.warning("confirming %d lost lease(s): %s; asking again", len(lease_ids), exc)
+            answered = {}
+        return {lease_id: answered.get(lease_id) for lease_id in lease_ids}
 
     def _schedule(self, next_at: dict[int, float]) -> None:
         with self.lock:

@@ -15,6 +15,13 @@ noticed). Then, on the coordination thread
    registration". Listed earlier, it would make the others wait in their next rendezvous
    for a thread still stuck in an old collective.
 
+A peer that loses lease after lease (a host too starved to refresh them: hundreds of
+members of one process registering together) waits a growing, random while before each new
+registration after the first (:func:`backoff_s`). Registering at once again would add the
+very load that starved its leases, and every member of the host doing it together turns
+overload into a rejoin storm that never settles; spread out, the registrations get through
+and the job settles, later.
+
 Nothing here touches etcd itself: the coordinator passes the two steps in.
 """
 
@@ -22,15 +29,34 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable
 
 from peer_elastic.errors import LeaseLost
 from peer_elastic.etcd.counters import CoordinatorCounters
 
-__all__ = ["Listing", "Rejoin"]
+__all__ = ["Listing", "Rejoin", "backoff_s"]
 
 log = logging.getLogger(__name__)
+
+#: The longest wait of the second loss in a row; it doubles with each further loss ...
+BACKOFF_BASE_S = 0.5
+#: ... up to this.
+BACKOFF_CAP_S = 16.0
+#: A registration that lasted this long ends a run of losses: the next loss is a first.
+STREAK_ENDS_AFTER_S = 60.0
+
+
+def backoff_s(losses_in_a_row: int, rng: random.Random) -> float:
+    """How long to wait before registering again after the ``losses_in_a_row``-th lost
+    lease in a row: nothing after the first (a peer that stalled once comes back at once),
+    then a random while up to 0.5 s, 1 s, 2 s, ... 16 s ("full jitter": peers that lost
+    their leases together spread out instead of coming back together)."""
+    if losses_in_a_row <= 1:
+        return 0.0
+    return rng.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (losses_in_a_row - 2)))
 
 
 class Listing(enum.Enum):
@@ -48,13 +74,19 @@ class Rejoin:
     """
 
     def __init__(self, counters: CoordinatorCounters, wake: Callable[[], None],
-                 auto: bool = True) -> None:
+                 auto: bool = True, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.auto = auto  # register again after a lost lease (else raise LeaseLost)
         self._counters = counters
         self._wake = wake  # wakes the coordination thread
         self._lost = threading.Event()
         self._gate: Callable[[], bool] | None = None
         self._listed_incarnation = -1  # the last incarnation the view has listed
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._registered_at = clock()
+        self._losses_in_a_row = 0
+        self._not_before = 0.0  # clock() before which it does not register again
 
     @property
     def pending(self) -> bool:
@@ -70,6 +102,7 @@ class Rejoin:
     def registered(self) -> None:
         """A new registration was adopted: no lost lease is pending any more."""
         self._lost.clear()
+        self._registered_at = self._clock()
 
     def hold(self, until: Callable[[], bool] | None) -> None:
         """After a lost lease, register again only once ``until()`` holds (None: at once).
@@ -81,6 +114,10 @@ class Rejoin:
         self._wake()
 
     def may_register(self) -> bool:
+        """The backoff is over and the gate open. Asked at every tick of the coordination
+        thread, so a backoff ends without anyone waking it."""
+        if self._clock() < self._not_before:
+            return False
         gate = self._gate
         return gate is None or gate()
 
@@ -111,7 +148,16 @@ class Rejoin:
             end_registration()
             if not self.auto:
                 raise LeaseLost(f"member {member_id} lost its lease")
-            if not self.may_register():
+            now = self._clock()
+            lasted = now - self._registered_at
+            self._losses_in_a_row = (self._losses_in_a_row + 1
+                                     if lasted < STREAK_ENDS_AFTER_S else 1)
+            wait = backoff_s(self._losses_in_a_row, self._rng)
+            self._not_before = now + wait
+            if wait > 0:
+                log.warning("member %s lost its lease %d times in a row; it registers again "
+                            "in %.1f s", member_id, self._losses_in_a_row, wait)
+            elif not self.may_register():
                 log.warning("member %s lost its lease; it registers again once its training "
                             "thread has left the process group it was in", member_id)
         if not self.may_register():
