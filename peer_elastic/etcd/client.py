@@ -12,7 +12,8 @@ Wraps the ``etcd3`` module from the ``cslab-etcd3`` distribution and builds what
 * user/password auth works on a plaintext channel (the token travels as metadata, the way
   etcd's own clients do it) and an expired token is renewed transparently.
 
-Nothing above this module (and :mod:`~peer_elastic.etcd.calls`) imports ``etcd3`` or ``grpc``.
+Nothing above this module (and :mod:`~peer_elastic.etcd.calls` and
+:mod:`~peer_elastic.etcd.lease_streams`) imports ``etcd3`` or ``grpc``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from peer_elastic.etcd.calls import (
     map_error,
     rpc_details,
 )
+from peer_elastic.etcd.lease_streams import LeaseStreams
 from peer_elastic.etcd.tls import (
     CA_VAR,
     CERT_VAR,
@@ -322,6 +324,8 @@ class EtcdClient:
         self._auth = None if user is None else _PasswordAuth(user, password or "")
         self._calls = RetriedCalls(self.describe, secure, self._disruptions.transient_failure,
                                    self._authenticate if self._auth is not None else None)
+        self._lease_streams = LeaseStreams(self._raw, self.timeout_s, self._call,
+                                           self._disruptions.note_header)
         if self._auth is not None:
             self._call(self._authenticate, "authenticate")
 
@@ -536,90 +540,15 @@ class EtcdClient:
 
     def keepalive_many(self, lease_ids: Sequence[int],
                        budget_s: float | None = None) -> dict[int, int]:
-        """Keep several leases alive over one stream (one round trip for all of them).
-
-        Returns lease id -> TTL etcd answered; a TTL of 0 means etcd no longer knows the
-        lease, which the caller confirms with :meth:`keepalive` before believing it (see
-        there). One request per lease: a process that keeps hundreds of member leases alive
-        pays one stream per refresh round instead of one per lease.
-
-        A stream cut short (its deadline passed on a starved process, the connection
-        dropped) still counts for the leases etcd answered before that: each answer is a
-        refresh etcd applied. Those are returned and the others are left out, for the
-        caller to try again; only a stream that brought no answer at all raises (and is
-        retried within ``budget_s``). Retrying every lease because the last answers were
-        late would let all of them expire together on a host that stays slow.
-        """
-        ids = list(dict.fromkeys(lease_ids))
-
-        def do() -> dict[int, int]:
-            reqs = [etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids]
-            out: dict[int, int] = {}
-            stream = self._raw.leasestub.LeaseKeepAlive(
-                iter(reqs), self.timeout_s, credentials=self._raw.call_credentials,
-                metadata=self._raw.metadata)
-            # Read to the stream's end rather than cancel it once every answer is in: the
-            # request iterator is finite, so etcd ends the stream right after the last
-            # answer, and by then gRPC's thread sending the requests has finished. A
-            # cancelled stream leaves that thread winding down, maybe into the process's
-            # exit (peer_elastic.process.threads says why that must not happen).
-            header = None
-            try:
-                for resp in stream:
-                    out[resp.ID] = resp.TTL
-                    header = resp.header
-            except grpc.RpcError:
-                if not out:
-                    raise
-                # answered ones were refreshed; the rest go back to the caller
-            if not out:
-                raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
-            if header is not None:
-                self._disruptions.note_header(header)
-            return out
-
-        if not ids:
-            return {}
-        return self._call(do, f"keep {len(ids)} leases alive", budget_s)
+        """Keep several leases alive over one stream: lease id -> the TTL etcd answered
+        (see :meth:`LeaseStreams.keepalive_many`)."""
+        return self._lease_streams.keepalive_many(lease_ids, budget_s)
 
     def lease_ttls(self, lease_ids: Sequence[int],
                    budget_s: float | None = None) -> dict[int, int]:
-        """Seconds left on each of several leases, -1 for one etcd does not know.
-
-        The TimeToLive requests go out side by side and their answers are read together:
-        one round trip for all of them, however many. A process that confirms hundreds of
-        lost member leases one by one spends seconds on it, on the thread that must also
-        refresh the leases its members just rejoined with. Leases whose request failed
-        are left out, for the caller to ask again; only a call with no answer at all raises
-        (and is retried within ``budget_s``).
-        """
-        ids = list(dict.fromkeys(lease_ids))
-
-        def do() -> dict[int, int]:
-            futures = {i: self._raw.leasestub.LeaseTimeToLive.future(
-                etcdrpc.LeaseTimeToLiveRequest(ID=i), self.timeout_s,
-                credentials=self._raw.call_credentials, metadata=self._raw.metadata)
-                for i in ids}
-            out: dict[int, int] = {}
-            failure: grpc.RpcError | None = None
-            header = None
-            for lease_id, future in futures.items():
-                try:
-                    resp = future.result()
-                except grpc.RpcError as exc:
-                    failure = exc
-                    continue
-                out[lease_id] = resp.TTL
-                header = resp.header
-            if failure is not None and not out:
-                raise failure
-            if header is not None:
-                self._disruptions.note_header(header)
-            return out
-
-        if not ids:
-            return {}
-        return self._call(do, f"ask the TTL of {len(ids)} leases", budget_s)
+        """Seconds left on each of several leases, -1 for one etcd does not know, asked
+        side by side (see :meth:`LeaseStreams.lease_ttls`)."""
+        return self._lease_streams.lease_ttls(lease_ids, budget_s)
 
     def revoke(self, lease_id: int, budget_s: float | None = None) -> bool:
         """Revoke a lease (and delete its keys). False when it was already gone."""
