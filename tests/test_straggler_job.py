@@ -53,11 +53,14 @@ WINDOW_S = 5.0
 COOLDOWN_S = 2.0
 THRESHOLD = 2.0
 #: How many exchanges a straggler may be reported after the window: a run of slow
-#: measurements dates from the start of its first span, which holds the slowdown's start
-#: or follows it, and the verdict comes at the first answer a window later. An exchange
-#: comes about every EXCHANGE_EVERY_S, or every check when checks are further apart: on a
-#: loaded machine a throttled job's checks are seconds apart.
-LATE_EXCHANGES = 1
+#: measurements dates from the start of its first slow span, and the span that holds the
+#: slowdown's start may not score slow (part of its steps were fast), so the run can begin
+#: one exchange after the slowdown; the verdict then comes with the first answer a window
+#: later, which arrives one exchange after it was asked for. An exchange comes about every
+#: EXCHANGE_EVERY_S, or every check when checks are further apart: on a loaded machine a
+#: throttled job's checks are seconds apart (measured in the full suite: 9.7 s with checks
+#: 1.0 s apart and a 5 s window).
+LATE_EXCHANGES = 2
 #: And room for the throttled peer to write the event, on a loaded machine.
 LATE_S = 3.0
 #: How long the clean run trains (four peers at full speed).
