@@ -129,6 +129,22 @@ def test_silence_starts_join_timeout_after_the_later_of_the_ack_owed_and_the_flo
         assert silent_members(s, seen_at, 10.2, at - 1e-6, settled_at) == {}
 
 
+def test_whether_the_roster_lacks_an_ack_counts_members_whose_key_is_gone() -> None:
+    # c's key is gone: not_ready leaves it out (nobody waits on a member that left), but
+    # the roster still lacks its ack, and that is what a follower's silence clock is for.
+    s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1", "c-1"]), ready=["a-1", "b-1"])
+    assert s.not_ready() == () and s.roster_lacks_ready()
+    assert not snap(["a-1"], gen=(2, ["a-1"]), ready=["a-1"]).roster_lacks_ready()
+    assert not snap(["a-1"]).roster_lacks_ready() and not snap(["a-1"]).roster_lacks_alive()
+    # b marked generation 2 broken itself: not_alive does not wait on it; the roster still
+    # lacks its "alive".
+    s = snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), ready=["a-1", "b-1"], broken=["b-1"],
+             alive=["a-1"])
+    assert s.not_alive() == () and s.roster_lacks_alive()
+    assert not snap(["a-1", "b-1"], gen=(2, ["a-1", "b-1"]), broken=["b-1"],
+                    alive=["a-1", "b-1"]).roster_lacks_alive()
+
+
 def test_a_dead_leader_is_found_by_its_missing_alive_ack() -> None:
     # Everyone acked generation 3 long ago; then it broke (b's collective failed). The dead
     # leader a never answers "alive": it is silent, and the next-oldest can drop it.

@@ -309,7 +309,7 @@ class Coordinator:
             gen = snap.generation
             if gen is None or gen.number != generation:
                 return False
-            if set(gen.roster) <= snap.ready_for(generation):
+            if not snap.roster_lacks_ready():  # once per snapshot, not per member
                 return True
             left = _TICK_S if deadline is None else min(_TICK_S, deadline - time.monotonic())
             if left <= 0:

@@ -225,9 +225,9 @@ class Leader:
             return None
         floor = max(snap.connected_at, settled)
         deadlines = []
-        if ready_since is not None and set(gen.roster) - snap.ready_for(gen.number):
+        if ready_since is not None and snap.roster_lacks_ready():
             deadlines.append(silence_deadline(ready_since, floor, cfg.join_timeout_s))
-        if alive_since is not None and set(gen.roster) - snap.alive_for(gen.number):
+        if alive_since is not None and snap.roster_lacks_alive():
             deadlines.append(silence_deadline(alive_since, floor, cfg.join_timeout_s))
         return min(deadlines) if deadlines else None
 

@@ -52,7 +52,7 @@ class LeaseStreams:
         """
         ids = list(dict.fromkeys(lease_ids))
 
-        def do() -> dict[int, int]:
+        def ask() -> tuple[dict[int, int], Any]:
             reqs = [etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids]
             out: dict[int, int] = {}
             stream = self._raw.leasestub.LeaseKeepAlive(
@@ -74,13 +74,9 @@ class LeaseStreams:
                 # answered ones were refreshed; the rest go back to the caller
             if not out:
                 raise etcd_exc.ConnectionFailedError()  # stream ended without an answer
-            if header is not None:
-                self._note_header(header)
-            return out
+            return out, header
 
-        if not ids:
-            return {}
-        return self._call(do, f"keep {len(ids)} leases alive", budget_s)
+        return self._answers(ids, ask, f"keep {len(ids)} leases alive", budget_s)
 
     def lease_ttls(self, lease_ids: Sequence[int],
                    budget_s: float | None = None) -> dict[int, int]:
@@ -95,7 +91,7 @@ class LeaseStreams:
         """
         ids = list(dict.fromkeys(lease_ids))
 
-        def do() -> dict[int, int]:
+        def ask() -> tuple[dict[int, int], Any]:
             futures = {i: self._raw.leasestub.LeaseTimeToLive.future(
                 etcdrpc.LeaseTimeToLiveRequest(ID=i), self.timeout_s,
                 credentials=self._raw.call_credentials, metadata=self._raw.metadata)
@@ -113,10 +109,22 @@ class LeaseStreams:
                 header = resp.header
             if failure is not None and not out:
                 raise failure
+            return out, header
+
+        return self._answers(ids, ask, f"ask the TTL of {len(ids)} leases", budget_s)
+
+    def _answers(self, ids: list[int], ask: Callable[[], tuple[dict[int, int], Any]],
+                 what: str, budget_s: float | None) -> dict[int, int]:
+        """``ask()`` (one request about all of ``ids``: the answers by lease and the last
+        response header) through the retried call, the header noted; nothing to ask for no
+        lease."""
+        if not ids:
+            return {}
+
+        def do() -> dict[int, int]:
+            out, header = ask()
             if header is not None:
                 self._note_header(header)
             return out
 
-        if not ids:
-            return {}
-        return self._call(do, f"ask the TTL of {len(ids)} leases", budget_s)
+        return self._call(do, what, budget_s)

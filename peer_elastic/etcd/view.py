@@ -254,6 +254,20 @@ class ViewSnapshot:
                          if m not in alive and m not in broken and m in self.members)
         return self._memo("_not_alive", compute)
 
+    def roster_lacks_ready(self) -> bool:
+        """Whether a roster member of the current generation has no ``ready`` ack, its key
+        live or gone (unlike :meth:`not_ready`). Once per snapshot: every follower of a
+        process asks on every wake, and the set difference costs O(roster)."""
+        return self._memo("_roster_lacks_ready", lambda: self.generation is not None
+                          and not self.roster_ids() <= self.ready_for(self.generation.number))
+
+    def roster_lacks_alive(self) -> bool:
+        """Whether a roster member of the current generation has no ``alive`` ack, its key
+        live or gone, whether or not it marked the generation broken itself (unlike
+        :meth:`not_alive`). Once per snapshot, as :meth:`roster_lacks_ready`."""
+        return self._memo("_roster_lacks_alive", lambda: self.generation is not None
+                          and not self.roster_ids() <= self.alive_for(self.generation.number))
+
     def owing_acks(self) -> frozenset[str]:
         """:meth:`not_ready` and :meth:`not_alive` together: who owes an ack now."""
         return self._memo("_owing", lambda: frozenset(self.not_ready()) | frozenset(
