@@ -36,6 +36,7 @@ from peer_elastic.records import (
     GenerationRecord,
     JobConfig,
     MemberRecord,
+    RunRecord,
     decode,
     encode,
 )
@@ -348,6 +349,44 @@ def test_abandoned_run_does_not_trap_the_next(peers: Peers) -> None:
     (b,) = peers.start(1, **settings)
     assert b.run.run_id not in old_run.value.decode("latin-1")
     wait_gen([b], lambda g: list(g.roster) == [b.member_id])
+
+
+class _RunEndsAsItIsJoined(EtcdClient):
+    """A client whose first successful transaction is followed by the revocation of
+    ``run_lease``: the run's lease running out between a peer's registration and its first
+    refresh, at the one moment that matters."""
+
+    run_lease = 0
+
+    def txn(self, compare, success=(), failure=()):  # noqa: ANN001, ANN201
+        result = super().txn(compare, success, failure)
+        if result[0] and self.run_lease:
+            self.revoke(self.run_lease)
+            self.run_lease = 0
+        return result
+
+
+def test_a_run_that_ends_as_a_peer_joins_it_is_left_for_a_new_run(peers: Peers) -> None:
+    # A whole job died (SIGKILL); a peer restarted while its run's key still stood. The
+    # run's lease ends right after the peer registered into it: the peer must start a run of
+    # its own, not fail with "run disappeared" nor leave its member key behind.
+    settings = dict(min_np=1, run_ttl_s=30)
+    proc = peers.spawn(**settings)
+    read_line(proc, "GEN")
+    os.kill(proc.pid, signal.SIGKILL)
+    client = _RunEndsAsItIsJoined(peers.endpoint)
+    peers.clients.append(client)
+    old = decode(RunRecord, client.get(JobKeys(peers.job).run_key).value, "run")
+    client.run_lease = old.lease_id
+    b = Coordinator(client, peers.job, JobSettings(**{**FAST, **settings}))
+    peers.coords.append(b)
+    b.start()
+    assert client.run_lease == 0, "the registration wrote nothing"
+    assert b.run.run_id != old.run_id
+    wait_gen([b], lambda g: list(g.roster) == [b.member_id])
+    assert b.error is None
+    kvs, _ = client.get_prefix(RunKeys(peers.job, old.run_id).prefix)
+    assert [kv.key for kv in kvs if b.member_id in kv.key] == []
 
 
 def test_drain_removes_member_gracefully(peers: Peers) -> None:

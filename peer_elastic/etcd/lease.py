@@ -271,6 +271,16 @@ class LeaseKeeper:
             if refresher.forget(lease_id, on_lost):
                 return
 
+    def keeps(self, lease_id: int) -> bool:
+        """Whether ``lease_id`` is kept alive here (in any lane)."""
+        with self._lock:
+            refreshers = list(self._threads.values())
+        for refresher in refreshers:
+            with refresher.lock:
+                if lease_id in refresher.leases:
+                    return True
+        return False
+
     def scheduled(self, lease_id: int) -> int:
         """How many refreshes of ``lease_id`` are queued: 1 while it is kept, else 0."""
         with self._lock:

@@ -144,6 +144,16 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
                 session.close(revoke=False)
                 session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
                 continue
+            if ok and not keeper.keeps(run.lease_id) and not _run_lease_alive(client, run):
+                # The run ended as this peer joined it: its peers died up to run_ttl_s ago
+                # (a whole job restarted) and its lease ran out before anyone here kept it.
+                # Its keys went with the lease; the next attempt starts a run of its own,
+                # where a crash of the training side would have waited for nothing.
+                log.info("job %s: run %s ended as %s joined it; registering again", job,
+                         run.run_id, member_id)
+                session.close(revoke=True)  # the member key written into the ended run
+                session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
+                continue
             if ok:
                 for difference in settings.per_peer_differences(run.config):
                     log.warning("job %s: %s", job, difference)
@@ -188,6 +198,20 @@ def _create_run(client: EtcdClient, job: str, cfg: JobConfig, identity: Identity
         return None
     log.info("started run %s of job %s", run.run_id, job)
     return run
+
+
+def _run_lease_alive(client: EtcdClient, run: RunRecord) -> bool:
+    """Refresh the lease of a run this process does not keep yet; False when it is gone.
+
+    The registration's compare saw the run's key, but a run adopted from peers that died
+    may have had a moment left on its lease: the first refresh decides, before the member
+    acts as part of a run that no longer exists.
+    """
+    try:
+        client.keepalive(run.lease_id)
+    except LeaseNotFound:
+        return False
+    return True
 
 
 def _adopt_run(job: str, settings: JobSettings, data: bytes, key: str) -> RunRecord:
