@@ -147,8 +147,8 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
             if ok and not keeper.keeps(run.lease_id) and not _run_lease_alive(client, run):
                 # The run ended as this peer joined it: its peers died up to run_ttl_s ago
                 # (a whole job restarted) and its lease ran out before anyone here kept it.
-                # Its keys went with the lease; the next attempt starts a run of its own,
-                # where a crash of the training side would have waited for nothing.
+                # Its keys went with the lease: the next attempt starts a run of its own
+                # (which resumes from the snapshots) instead of a member of no run.
                 log.info("job %s: run %s ended as %s joined it; registering again", job,
                          run.run_id, member_id)
                 session.close(revoke=True)  # the member key written into the ended run
