@@ -381,7 +381,7 @@ def test_a_run_that_ends_as_a_peer_joins_it_is_left_for_a_new_run(peers: Peers) 
     b = Coordinator(client, peers.job, JobSettings(**{**FAST, **settings}))
     peers.coords.append(b)
     b.start()
-    assert client.run_lease == 0, "the registration wrote nothing"
+    assert client.run_lease == 0, "no registration transaction succeeded"
     assert b.run.run_id != old.run_id
     wait_gen([b], lambda g: list(g.roster) == [b.member_id])
     assert b.error is None
