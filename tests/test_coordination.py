@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -387,6 +388,39 @@ def test_a_run_that_ends_as_a_peer_joins_it_is_left_for_a_new_run(peers: Peers) 
     assert b.error is None
     kvs, _ = client.get_prefix(RunKeys(peers.job, old.run_id).prefix)
     assert [kv.key for kv in kvs if b.member_id in kv.key] == []
+
+
+class _CountsRefreshes(EtcdClient):
+    """A client that counts the refreshes of each lease it sends."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.refreshes: Counter[int] = Counter()
+
+    def keepalive(self, lease_id, budget_s=None):  # noqa: ANN001, ANN201
+        self.refreshes[lease_id] += 1
+        return super().keepalive(lease_id, budget_s)
+
+    def keepalive_many(self, lease_ids, budget_s=None):  # noqa: ANN001, ANN201
+        self.refreshes.update(lease_ids)
+        return super().keepalive_many(lease_ids, budget_s)
+
+
+def test_the_run_lease_is_refreshed_once_an_interval_from_the_start(peers: Peers) -> None:
+    # The peer that creates the run granted its lease, the one that joins refreshed it as
+    # it registered (to know the run still stands): neither refreshes it again before an
+    # interval (a third of run_ttl_s) has passed.
+    settings = dict(min_np=1, run_ttl_s=60)
+    coords = []
+    for _ in range(2):
+        client = _CountsRefreshes(peers.endpoint, retry_budget_s=10)
+        peers.clients.append(client)
+        c = Coordinator(client, peers.job, JobSettings(**{**FAST, **settings}))
+        peers.coords.append(c)
+        coords.append(c.start())
+    wait_gen(coords, lambda g: len(g.roster) == 2)
+    run_lease = coords[0].run.lease_id
+    assert [c.client.refreshes[run_lease] for c in coords] == [0, 1]
 
 
 def test_drain_removes_member_gracefully(peers: Peers) -> None:

@@ -194,10 +194,12 @@ class Coordinator:
             reg.session.close(revoke=True)
             raise _Closed(f"job {self.job!r}: closed while registering; registration undone")
         # Its own lane: member leases of this process never delay the run lease's refresh.
-        # Refreshed at once: the run may be adopted from peers that died a while ago (a
-        # whole job restarted, slow to start on a loaded machine), its lease near its end.
+        # Next refreshed an interval after the registration granted or refreshed it; at
+        # once when it did neither (another member of this process kept the lease then,
+        # and may have let it go since).
         self._keeper.keep(reg.run.lease_id, self.config.run_ttl_s, self._on_run_lease_lost,
-                          lane=Lane.RUN, refresh_now=True)
+                          lane=Lane.RUN, refresh_now=reg.run_lease_since is None,
+                          granted_since=reg.run_lease_since)
         log.info("joined job %s run %s as %s (lease %x)", self.job, reg.run.run_id,
                  reg.member_id, reg.session.lease_id)
         self.record_event("joined", detail=f"host {self.host} pid {os.getpid()}")

@@ -263,19 +263,20 @@ class LeaseKeeper:
                 self._threads[lane] = refresher
         refresher.keep(lease_id, ttl_s, on_lost, refresh_now, granted_since)
 
+    def _refreshers(self) -> list[_RefreshThread]:
+        """The lanes' threads now (a copy: ``keep`` may add a lane meanwhile)."""
+        with self._lock:
+            return list(self._threads.values())
+
     def forget(self, lease_id: int, on_lost: OnLost | None = None) -> None:
         """Undo one ``keep`` (the one with ``on_lost``; any, if None)."""
-        with self._lock:
-            refreshers = list(self._threads.values())
-        for refresher in refreshers:
+        for refresher in self._refreshers():
             if refresher.forget(lease_id, on_lost):
                 return
 
     def keeps(self, lease_id: int) -> bool:
         """Whether ``lease_id`` is kept alive here (in any lane)."""
-        with self._lock:
-            refreshers = list(self._threads.values())
-        for refresher in refreshers:
+        for refresher in self._refreshers():
             with refresher.lock:
                 if lease_id in refresher.leases:
                     return True
@@ -283,19 +284,15 @@ class LeaseKeeper:
 
     def scheduled(self, lease_id: int) -> int:
         """How many refreshes of ``lease_id`` are queued: 1 while it is kept, else 0."""
-        with self._lock:
-            refreshers = list(self._threads.values())
         count = 0
-        for refresher in refreshers:
+        for refresher in self._refreshers():
             with refresher.lock:
                 if lease_id in refresher.leases:
                     count += sum(1 for d in refresher.heap if d.lease_id == lease_id)
         return count
 
     def stop(self) -> None:
-        with self._lock:
-            refreshers = list(self._threads.values())
-        for refresher in refreshers:
+        for refresher in self._refreshers():
             refresher.stop()
 
 

@@ -99,6 +99,10 @@ class Registration:
     keys: RunKeys
     session: Session
     config: JobConfig
+    #: ``time.monotonic()`` just before this registration granted or refreshed the run's
+    #: lease (its keeper's first refresh falls due an interval after it); None when the
+    #: process already kept the lease and did neither.
+    run_lease_since: float | None = None
 
 
 def register(client: EtcdClient, job: str, settings: JobSettings, identity: Identity,
@@ -119,10 +123,11 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
             run_kv = client.get(JobKeys(job).run_key)
             check_not_closed()  # close() during a rejoin: register nothing
             if run_kv is None:
+                granted_since = time.monotonic()
                 run = _create_run(client, job, wanted, identity, session, member_id)
                 if run is not None:
                     return Registration(member_id, run, RunKeys(job, run.run_id), session,
-                                        settings.for_this_peer(run.config))
+                                        settings.for_this_peer(run.config), granted_since)
                 continue
             run = _adopt_run(job, settings, run_kv.value, run_kv.key)
             keys = RunKeys(job, run.run_id)
@@ -144,21 +149,26 @@ def register(client: EtcdClient, job: str, settings: JobSettings, identity: Iden
                 session.close(revoke=False)
                 session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
                 continue
-            if ok and not keeper.keeps(run.lease_id) and not _run_lease_alive(client, run):
-                # The run ended as this peer joined it: its peers died up to run_ttl_s ago
-                # (a whole job restarted) and its lease ran out before anyone here kept it.
-                # Its keys went with the lease: the next attempt starts a run of its own
-                # (which resumes from the snapshots) instead of a member of no run.
-                log.info("job %s: run %s ended as %s joined it; registering again", job,
-                         run.run_id, member_id)
-                session.close(revoke=True)  # the member key written into the ended run
-                session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
-                continue
-            if ok:
-                for difference in settings.per_peer_differences(run.config):
-                    log.warning("job %s: %s", job, difference)
-                return Registration(member_id, run, keys, session,
-                                    settings.for_this_peer(run.config))
+            if not ok:
+                continue  # the run record changed since it was read
+            refreshed_since = None
+            if not keeper.keeps(run.lease_id):
+                refreshed_since = time.monotonic()
+                if not _run_lease_alive(client, run):
+                    # The run ended as this peer joined it: its peers died up to run_ttl_s
+                    # ago (a whole job restarted) and its lease ran out before anyone here
+                    # kept it. Its keys went with the lease: the next attempt starts a run
+                    # of its own (which resumes from the snapshots) instead of a member of
+                    # no run.
+                    log.info("job %s: run %s ended as %s joined it; registering again",
+                             job, run.run_id, member_id)
+                    session.close(revoke=True)  # the member key written into the ended run
+                    session = Session(client, wanted.lease_ttl_s, keeper, on_lease_lost)
+                    continue
+            for difference in settings.per_peer_differences(run.config):
+                log.warning("job %s: %s", job, difference)
+            return Registration(member_id, run, keys, session,
+                                settings.for_this_peer(run.config), refreshed_since)
         raise PeerElasticError(f"job {job!r}: the run record kept changing; "
                                f"could not register after {ATTEMPTS} attempts")
     except BaseException:
