@@ -98,7 +98,9 @@ Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* var
 * ``WORKER_DIE_IN_SAVE=<n>:<rank>:<phase>``: (sharded) at its ``n``-th save, the rank that is
   ``rank`` of its group exits at once (``os._exit``, as a SIGKILL): ``transfer`` before its
   copies leave (the others wait for them in vain), ``confirm`` once they arrived, before the
-  save's confirming all-reduce. Prints ``DYING <phase>`` first.
+  save's confirming all-reduce. Prints ``DYING <phase>`` first. With ``WORKER_DIE_FLAG=path``
+  only the first process to get there dies (it creates the file): saves are counted per
+  process, and a peer that joined late reaches its ``n``-th save later, maybe as that rank.
 * ``WORKER_SET_EPOCH_AT_START=1``: the loop also calls ``sampler.set_epoch(state.epoch)`` at
   the start of every epoch (``DistributedSampler``'s habit), re-entered after every reset.
 
@@ -153,6 +155,7 @@ RESULT_PATH = os.environ.get("WORKER_RESULT")
 SHARDED = os.environ.get("WORKER_SHARDED", "")
 COMMIT_DIGEST = os.environ.get("WORKER_COMMIT_DIGEST") == "1"
 DIE_IN_SAVE = os.environ.get("WORKER_DIE_IN_SAVE", "")
+DIE_FLAG = os.environ.get("WORKER_DIE_FLAG")
 EPOCH_AT_START = os.environ.get("WORKER_SET_EPOCH_AT_START") == "1"
 # WORKER_DDP=1: average gradients with DistributedDataParallel, rebuilt in a reset callback
 # (the README's recipe), instead of pe.DistributedOptimizer.
@@ -413,6 +416,17 @@ def sharded_parts() -> dict[str, object]:
             "redundancy": redundancy}
 
 
+def first_to_die() -> bool:
+    """True unless WORKER_DIE_FLAG names a file another process created already."""
+    if not DIE_FLAG:
+        return True
+    try:
+        os.close(os.open(DIE_FLAG, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def die_in_save() -> None:
     """WORKER_DIE_IN_SAVE: wrap the sharded state's transfer so that one rank dies in it."""
     import peer_elastic.sharded.state as sharded_state
@@ -423,7 +437,7 @@ def die_in_save() -> None:
 
     def transfer(outgoing, incoming):  # type: ignore[no-untyped-def]
         calls[0] += 1
-        dying = calls[0] == int(nth) and dist.get_rank() == int(rank)
+        dying = calls[0] == int(nth) and dist.get_rank() == int(rank) and first_to_die()
         if dying and phase == "transfer":
             say("DYING", phase)
             os._exit(9)
