@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 
+import etcd3
 import pytest
 
 from peer_elastic.config import JobSettings
 from peer_elastic.errors import ClientClosed, EtcdUnavailable
-from peer_elastic.etcd.client import EtcdClient, KeyValue, WatchEvent
+from peer_elastic.etcd.client import EtcdClient, FaultInjection, KeyValue, WatchEvent
 from peer_elastic.etcd.coordinator import Coordinator
 from peer_elastic.etcd.watch import PrefixWatch
 from peer_elastic.etcd_server import free_port
@@ -257,4 +258,31 @@ def test_a_watch_on_a_client_that_closes_ends_quietly(etcd: str, unique_job: str
     assert not died, died
     with pytest.raises(ClientClosed, match="closed"):
         client.get("/x")
+    watch.stop()
+
+
+def test_a_client_closed_while_a_watch_creation_is_retried_ends_it_quietly(
+        etcd: str, unique_job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on a loaded machine: the first attempt at creating the watch failed (it timed out),
+    # the client closed meanwhile, and every retry started etcd3's stream thread on the
+    # closed channel, which died with "Cannot invoke RPC: Channel closed!". The client is
+    # closed here between the first attempt and its retry: the retry must not reach etcd.
+    died: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: died.append(f"{a.thread}: {a.exc_value}"))
+    client = EtcdClient(etcd)
+    attempts: list[str] = []
+
+    def close_then_fail(what: str) -> None:
+        if what.startswith("watch "):
+            attempts.append(what)
+            if len(attempts) == 1:
+                client.close()
+                raise etcd3.exceptions.WatchTimedOut()
+
+    watch = PrefixWatch(client, f"/{unique_job}/", lambda kvs, rev: None, lambda ev, rev: None)
+    client.faults = FaultInjection(before=close_then_fail)
+    watch.start()
+    threads.join_all([t for t in threading.enumerate() if t.name == f"watch:/{unique_job}/"], 30)
+    assert not [t for t in threading.enumerate() if t.name == f"watch:/{unique_job}/"]
+    assert not died, died  # no attempt after the close reached the closed channel
     watch.stop()

@@ -319,6 +319,10 @@ class EtcdClient:
             _warn_plaintext_password(self.describe())
         self._raw = _open_channels(self.endpoints, tls, timeout_s, endpoint_retry_s)
         self._closed = False
+        # Held while a watch is created and while the client closes: a watch created on a
+        # channel closing under it starts etcd3's stream thread on the closed channel, which
+        # dies with "Cannot invoke RPC: Channel closed!" (a loaded machine, seen in a run).
+        self._closing = threading.Lock()
         self._watch_threads = _WatchThreads()
         self._disruptions = DisruptionClock()
         self._auth = None if user is None else _PasswordAuth(user, password or "")
@@ -354,9 +358,15 @@ class EtcdClient:
 
     def _call(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors; map every failure to our types."""
-        if self._closed:  # the closed channel would fail it anyway, in etcd3's threads too
-            raise ClientClosed(f"{what}: the etcd client was closed")
-        return self._calls.run(fn, what, self.retry_budget_s if budget_s is None else budget_s)
+        def attempt() -> T:
+            # Asked before every attempt: the client may close while a call is retried, and
+            # the closed channel would fail it anyway, in etcd3's threads too.
+            if self._closed:
+                raise ClientClosed(f"{what}: the etcd client was closed")
+            return fn()
+
+        return self._calls.run(attempt, what,
+                               self.retry_budget_s if budget_s is None else budget_s)
 
     # -- key-value --------------------------------------------------------------------------------
 
@@ -610,11 +620,14 @@ class EtcdClient:
             on_events(events, resp.header.revision)
 
         def do() -> int:
-            watch_id = self._raw.add_watch_prefix_callback(
-                prefix, callback, start_revision=start_revision, progress_notify=True
-            )
-            self._watch_threads.note(self._raw.watcher)
-            return watch_id
+            with self._closing:  # close() waits for a creation under way (bounded: timeout_s)
+                if self._closed:
+                    raise ClientClosed(f"watch {prefix}: the etcd client was closed")
+                watch_id = self._raw.add_watch_prefix_callback(
+                    prefix, callback, start_revision=start_revision, progress_notify=True
+                )
+                self._watch_threads.note(self._raw.watcher)
+                return watch_id
 
         return self._call(do, f"watch {prefix}", budget_s=self.timeout_s * 2)
 
@@ -635,9 +648,10 @@ class EtcdClient:
         """Close the connections; wait at most ``wait_s`` for the threads of the watch
         streams to end (closing cancels their streams), so that none is still running
         when the process exits (peer_elastic.process.threads says why that matters)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self._raw.close()
         except Exception as exc:
