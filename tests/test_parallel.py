@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0
 
 
-def test_auto_workers_is_one_per_core_and_one_more_up_to_the_maximum() -> None:
-    assert auto_workers(1) == 2
-    assert auto_workers(2) == min(3, MAX_WORKERS)
+def test_auto_workers_is_one_per_core_up_to_the_maximum() -> None:
+    assert auto_workers(1) == 1
+    assert auto_workers(2) == min(2, MAX_WORKERS)
     assert auto_workers(64) == MAX_WORKERS
 
 

@@ -1,10 +1,10 @@
 """The suite run over several pytest-xdist workers: how many, and the tests that run alone.
 
-Most tests share the machine: they keep the CPUs busy most of the time, and wait on peers,
-timeouts and etcd the rest, so one worker more than there are cores fills those waits. A
-test marked ``alone`` runs with no other test at the same time (it loads the CPU on
-purpose, or measures how long something takes); the workers coordinate through
-:class:`RunLock`, a readers-writer lock on files every worker of one run shares.
+Most tests share the machine: they spend their time waiting on peers, timeouts and etcd, so
+two of them at once finish sooner. A test marked ``alone`` runs with no other test at the
+same time (it loads the CPU on purpose, or measures how long something takes); the workers
+coordinate through :class:`RunLock`, a readers-writer lock on files every worker of one run
+shares.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-#: Workers for ``-n auto`` (pyproject's addopts), whatever the number of cores: the suite's
-#: tests are written for a loaded 2-core machine, and each starts several peers of its own;
-#: three at once on 2 cores is the load the whole suite was run and timed under.
-MAX_WORKERS = 3
+#: Workers for ``-n auto`` (pyproject's addopts): the suite's tests are written for a loaded
+#: 2-core machine, and each starts several peers of its own; more workers than this load
+#: the machine beyond what their timeouts allow for, whatever the number of cores.
+MAX_WORKERS = 2
 
 
 def auto_workers(cpus: int | None = None) -> int:
-    """Workers for ``-n auto``: one per core and one more, at most :data:`MAX_WORKERS`
-    (on 2 cores the whole suite took 19.7 minutes over three workers, 21-22 over two)."""
-    return max(1, min((cpus if cpus is not None else (os.cpu_count() or 1)) + 1, MAX_WORKERS))
+    """Workers for ``-n auto``: one per core, at most :data:`MAX_WORKERS`."""
+    return max(1, min(cpus if cpus is not None else (os.cpu_count() or 1), MAX_WORKERS))
 
 
 class RunLock:
