@@ -55,10 +55,11 @@ class Peers:
         self.clients: list[EtcdClient] = []
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, n: int = 1, host: str | None = None, **settings) -> list[Coordinator]:
+    def start(self, n: int = 1, host: str | None = None,
+              client_type: type[EtcdClient] = EtcdClient, **settings) -> list[Coordinator]:
         out = []
         for _ in range(n):
-            client = EtcdClient(self.endpoint, retry_budget_s=10)
+            client = client_type(self.endpoint, retry_budget_s=10)
             self.clients.append(client)
             c = Coordinator(client, self.job, JobSettings(**{**FAST, **settings}), host=host)
             self.coords.append(c)
@@ -410,14 +411,7 @@ def test_the_run_lease_is_refreshed_once_an_interval_from_the_start(peers: Peers
     # The peer that creates the run granted its lease, the one that joins refreshed it as
     # it registered (to know the run still stands): neither refreshes it again before an
     # interval (a third of run_ttl_s) has passed.
-    settings = dict(min_np=1, run_ttl_s=60)
-    coords = []
-    for _ in range(2):
-        client = _CountsRefreshes(peers.endpoint, retry_budget_s=10)
-        peers.clients.append(client)
-        c = Coordinator(client, peers.job, JobSettings(**{**FAST, **settings}))
-        peers.coords.append(c)
-        coords.append(c.start())
+    coords = peers.start(2, client_type=_CountsRefreshes, min_np=1, run_ttl_s=60)
     wait_gen(coords, lambda g: len(g.roster) == 2)
     run_lease = coords[0].run.lease_id
     assert [c.client.refreshes[run_lease] for c in coords] == [0, 1]
