@@ -62,8 +62,8 @@ class Job:
         self.peers: list[PeerProc] = []
 
     def start(self, h: Host) -> PeerProc:
-        args = h.exec_args([sys.executable, "-m", "tests.helpers.elastic_worker"])
-        p = PeerProc(args, self.env, f"{h.name}#{len(self.peers)}")
+        p = PeerProc([sys.executable, "-m", "tests.helpers.elastic_worker"], self.env,
+                     f"{h.name}#{len(self.peers)}", forked=True, place=h.place)
         self.peers.append(p)
         return p
 

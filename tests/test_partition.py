@@ -106,9 +106,10 @@ def start_ns_peer(cluster: Cluster, netns: Netns, etcd: EtcdTestServer) -> PeerP
     """An elastic worker inside the namespace: etcd over the etcd link, gloo over the other."""
     env = dict(cluster.env, PEER_ELASTIC_ETCD=f"http://{netns.etcd.host_ip}:{etcd.client_port}",
                GLOO_SOCKET_IFNAME=netns.gloo.ns_if, PEER_ELASTIC_HOST=netns.name)
-    # `ip netns exec` execs the worker: the PID (and process group) PeerProc kills is its own.
-    p = PeerProc(netns.exec_args([sys.executable, "-m", "tests.helpers.elastic_worker"]), env,
-                 "ns-peer")
+    # Forked into the namespace (or `ip netns exec`'d, which execs it): the PID PeerProc kills
+    # is the worker's own.
+    p = PeerProc([sys.executable, "-m", "tests.helpers.elastic_worker"], env, "ns-peer",
+                 forked=True, place=netns.place)
     cluster.peers.append(p)
     return p
 
@@ -223,7 +224,7 @@ def test_peer_cut_off_from_its_peers_but_not_etcd_is_left_out_until_it_heals(
             bridged = ",".join(f"{hosts.bridge_ip4}:{m.client_port}" for m in etcd.members)
             peers = []
             for h in hosts.hosts:  # one at a time: the first is the oldest (rank 0, leader)
-                (p,) = c.start(1, wrap=h.exec_args, where=h.name, PEER_ELASTIC_ETCD=bridged)
+                (p,) = c.start(1, place=h.place, where=h.name, PEER_ELASTIC_ETCD=bridged)
                 wait_joined(p)
                 peers.append(p)
             for p in peers:
@@ -344,7 +345,7 @@ def test_roster_host_cut_off_from_etcd_stops_before_its_standby_starts(
 
             def start_on(i: int) -> PeerProc:
                 h = hosts.hosts[i]
-                (p,) = c.start(1, wrap=h.exec_args, where=h.name, PEER_ELASTIC_ETCD=bridged)
+                (p,) = c.start(1, place=h.place, where=h.name, PEER_ELASTIC_ETCD=bridged)
                 wait_joined(p)  # one at a time: the first is the oldest (rank 0, leader)
                 return p
 

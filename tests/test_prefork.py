@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import prefork
+from tests.helpers.hosts import hosts_or_skip
+from tests.helpers.place import Place
 from tests.helpers.procs import ROOT, PeerProc, gone
 
 PROBE = "tests.helpers.prefork_probe"
@@ -153,3 +155,36 @@ def test_without_prefork_a_peer_is_its_own_program(monkeypatch: pytest.MonkeyPat
         assert p.wait(WAIT_S) == 0
     finally:
         p.kill()
+
+
+@pytest.mark.parametrize("where", ["host", "netns"])
+def test_a_peer_forked_elsewhere_is_where_ip_netns_exec_puts_its_own_program(
+        where: str) -> None:
+    """A test host (network namespace, hostname, /etc/hosts) or a bare network namespace:
+    what a forked peer sees there is what the same program sees, started by the commands."""
+    with hosts_or_skip(1, "a peer on a test host") as hosts:
+        host = hosts.hosts[0]
+        place = host.place if where == "host" else Place(host.netns)
+        argv = [sys.executable, "-m", PROBE]
+        own = PeerProc(argv, probe_env(), "own", place=place)
+        peer = PeerProc(argv, probe_env(), "forked", forked=True, pool=POOL, place=place)
+        try:
+            assert isinstance(peer.proc, prefork.ForkedProcess)
+            assert not isinstance(own.proc, prefork.ForkedProcess)
+            a, b = described(own), described(peer)
+            assert own.wait(WAIT_S) == 0 and peer.wait(WAIT_S) == 0
+        finally:
+            own.kill()
+            peer.kill()
+    here = {"netns": os.readlink("/proc/self/ns/net"), "uts": os.readlink("/proc/self/ns/uts")}
+    for key in ("netns", "hostname", "etc_hosts", "interfaces", "sys_class_net"):
+        assert b[key] == a[key], key
+    assert b["netns"] != here["netns"] and host.ns_if in b["interfaces"]
+    assert b["sys_class_net"] == b["interfaces"]  # the namespace's own /sys
+    if where == "host":
+        # a UTS namespace of its own, as each `unshare --uts` makes
+        assert b["hostname"] == host.name and here["uts"] != b["uts"] != a["uts"]
+        assert f"127.0.1.1\t{host.name}" in b["etc_hosts"]
+    else:
+        assert b["uts"] == a["uts"] == here["uts"]
+    assert b["pid"] == peer.pid and b["threads"] == 1 and not b["grpc"]

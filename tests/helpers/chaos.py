@@ -345,7 +345,8 @@ class ChaosRunner:
         # The job ends when finish() creates WORKER_END_FILE, after the last event settled,
         # not after a number of epochs guessed from the pace: on a loaded machine a slow
         # schedule outran that guess and the job finished before its last event.
-        self.epochs = epochs if epochs is not None else 2 * training_epochs(len(schedule))
+        # The cap costs nothing per step (the oracle trains one epoch's row): a wide margin.
+        self.epochs = epochs if epochs is not None else 4 * training_epochs(len(schedule))
         self._own_end_dir = None if "WORKER_END_FILE" in settings else tempfile.mkdtemp(
             prefix="chaos-end-")
         if self._own_end_dir is not None:
@@ -407,7 +408,7 @@ class ChaosRunner:
         else:
             host = self.hosts.hosts[len(self.peers) % len(self.hosts.hosts)]
             bridged = [f"{self.hosts.bridge_ip4}:{m.client_port}" for m in self.etcd.members]
-            (proc,) = self.cluster.start(1, wrap=host.exec_args, where=host.name,
+            (proc,) = self.cluster.start(1, place=host.place, where=host.name,
                                          PEER_ELASTIC_ETCD=",".join(bridged[k:] + bridged[:k]),
                                          **env)
         t = Tracked(proc, time.monotonic(), host=None if self.hosts is None else host)

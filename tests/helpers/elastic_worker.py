@@ -1,11 +1,16 @@
 """One peer of a real elastic training job with an exactly-once oracle.
 
-The model's ``counts`` parameter (one row per epoch) gains exactly 1.0 at ``[epoch, i]`` for
-every sample ``i`` trained on: each rank's loss is ``-world * counts[epoch, batch].sum()``,
+The model's ``counts`` parameter (the epoch being trained) gains exactly 1.0 at ``[i]`` for
+every sample ``i`` trained on: each rank's loss is ``-world * counts[batch].sum()``,
 gradients are averaged over the world, and SGD with lr 1 adds the count of every sample of
-every rank (exact in float64). After the job, every sample of every epoch must have been
-counted exactly once: ``counts[:epochs] == 1``, and the rows of epochs never trained 0.
-A small network trained with Adam on the side proves optimizer state stays bit-identical.
+every rank (exact in float64). At each epoch's end, every rank keeps that row's summary (how
+many samples it counted other than once, its sum, min and max) in the model's buffers and
+starts the next epoch from zero, so a step costs the same however many epochs the job may
+run; the row, the summaries and the sampler are one state, committed, restored and synced
+together. After the job, every sample of every epoch must have been counted exactly once:
+each finished epoch's summary says so, it was finished exactly once, and the epochs never
+trained hold nothing. A small network trained with Adam on the side proves optimizer state
+stays bit-identical.
 
 Settings come from PEER_ELASTIC_* like any peer; the test knobs are WORKER_* variables:
 
@@ -129,6 +134,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -333,14 +339,80 @@ def plan_staging() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+#: What the oracle keeps of each finished epoch: how often it was finished, how many samples
+#: it counted other than once, and its counts' sum, min and max.
+FOLDS, WRONG, SUM, LOW, HIGH = range(5)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The oracle's reading of a job's counts: per epoch, the samples counted other than they
+    should be (once in a trained epoch, never in the others); the counts' sum; their least
+    in a trained epoch and their greatest anywhere."""
+
+    wrong: list[int]
+    total: float
+    low: float
+    high: float
+
+    @staticmethod
+    def of_matrix(counts: torch.Tensor, trained: int) -> Tally:
+        """From every epoch's counts (epochs x samples)."""
+        want = torch.zeros_like(counts)
+        want[:trained] = 1.0
+        return Tally([int(w) for w in (counts != want).sum(dim=1).tolist()],
+                     float(counts.sum()),
+                     float(counts[:trained].min()) if trained else 0.0, float(counts.max()))
+
+
 class Counter(nn.Module):
-    def __init__(self) -> None:
+    """The oracle's counter: ``counts``, the epoch being trained (the one parameter gradients
+    reach), and in buffers the summary of each finished epoch (``finished``, columns FOLDS to
+    HIGH), the epoch ``counts`` counts (``row_epoch``), and how many epoch ends found the row
+    counting another epoch (``misfiled``)."""
+
+    def __init__(self, epochs: int = EPOCHS, samples: int = N) -> None:
         super().__init__()
-        self.counts = nn.Parameter(torch.zeros(EPOCHS, N, dtype=torch.float64))
-        self.epoch = 0  # the row forward() counts into (set before each epoch)
+        self.counts = nn.Parameter(torch.zeros(samples, dtype=torch.float64))
+        self.register_buffer("finished", torch.zeros(epochs, 5, dtype=torch.float64))
+        self.register_buffer("row_epoch", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("misfiled", torch.zeros((), dtype=torch.int64))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.counts[self.epoch][idx]
+        return self.counts[idx]
+
+    @torch.no_grad()
+    def finish_epoch(self, epoch: int) -> None:
+        """``epoch`` ends: keep its summary, count the next from zero."""
+        row = self.counts.detach()
+        if int(self.row_epoch) != epoch:
+            self.misfiled += 1
+        summary = self.finished[epoch]
+        summary[FOLDS] += 1
+        summary[WRONG:] = torch.stack([(row != 1.0).sum().to(row.dtype), row.sum(), row.min(),
+                                       row.max()])
+        self.counts.zero_()
+        self.row_epoch.fill_(epoch + 1)
+
+    def counted(self) -> float:
+        """Every count so far (finished epochs and the current one)."""
+        return float(self.finished[:, SUM].sum()) + float(self.counts.detach().sum())
+
+    def tally(self, trained: int) -> Tally:
+        """The oracle's reading once ``trained`` epochs are: each finished exactly once and
+        exact, the row counting the next one and empty, nothing kept of any later one."""
+        done, row = self.finished, self.counts.detach()
+        epochs, samples = len(done), len(row)
+        folds = done[:, FOLDS].tolist()
+        wrong = [int(done[e, WRONG]) if folds[e] == 1 else samples for e in range(trained)]
+        wrong += [0 if folds[e] == 0 else samples for e in range(trained, epochs)]
+        if trained < epochs:
+            wrong[trained] += int((row != 0).sum())
+        if int(self.misfiled) or int(self.row_epoch) != trained:
+            wrong[min(trained, epochs - 1)] += samples
+        high = max(float(row.max()), float(done[:trained, HIGH].max()) if trained else 0.0)
+        return Tally(wrong, self.counted(),
+                     float(done[:trained, LOW].min()) if trained else 0.0, high)
 
 
 class Both(nn.Module):
@@ -586,7 +658,6 @@ def _main(stall_stacks: StallStacks | None) -> int:
             # epochs; ending mid-epoch would leave a part-trained epoch it calls wrong).
             while state.epoch < EPOCHS and not (state.sampler.processed_count == 0
                                                 and end_requested()):
-                counter.epoch = state.epoch
                 if EPOCH_AT_START:  # DistributedSampler's habit; keeps a reset's progress
                     state.sampler.set_epoch(state.epoch)
                 shard = list(iter(state.sampler))
@@ -602,7 +673,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
-                    before = float(counter.counts.detach()[state.epoch].sum()) if PLAIN else 0.0
+                    before = counter.counted() if PLAIN else 0.0
                     if USE_DDP:
                         counts, y = holder["ddp"](idx, x)
                     else:
@@ -614,7 +685,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     state.adam.step()
                     if PLAIN:
                         state.steps += 1
-                        state.samples += float(counter.counts.detach()[state.epoch].sum()) - before
+                        state.samples += counter.counted() - before
                     if RECORD == "indices":
                         state.sampler.record_indices(idx)
                     else:
@@ -634,10 +705,11 @@ def _main(stall_stacks: StallStacks | None) -> int:
                             say("FORKED", os.getpid())
                     elif CHECK_EVERY and (b + 1) % CHECK_EVERY == 0:
                         state.check_host_updates()
+                counter.finish_epoch(state.epoch)
                 state.epoch += 1
                 state.sampler.set_epoch(state.epoch)
                 state.commit()
-            return oracle_result(state, state.model.counts.detach())
+            return oracle_result(state, counter.tally(state.epoch))
 
         def train_sharded(state: pe.ShardedState) -> dict:
             world = dist.get_world_size()
@@ -688,27 +760,24 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 if COMMIT_DIGEST:
                     say("COMMITTED", state.commit_count, digest(state))
             # the counter sharded as (samples, epochs): gathered, then as (epochs, samples)
-            result = oracle_result(state, model.counter.counts.full_tensor().detach().t())
+            result = oracle_result(state, Tally.of_matrix(
+                model.counter.counts.full_tensor().detach().t(), state.epoch))
             result["layout"] = [state.layout.replicas, state.layout.shards]
             return result
 
-        def oracle_result(state: pe.TorchState, counts: torch.Tensor) -> dict:
-            """The exactly-once oracle over ``counts`` (epochs x samples), the ranks' digests
-            compared, and this rank's counters (collective: every rank calls it at the end)."""
+        def oracle_result(state: pe.TorchState, tally: Tally) -> dict:
+            """The exactly-once oracle's ``tally``, the ranks' digests compared, and this
+            rank's counters (collective: every rank calls it at the end)."""
             digests = [None] * dist.get_world_size()
             dist.all_gather_object(digests, digest(state))  # test-only: trusted peers
             trained = state.epoch
-            want = torch.zeros_like(counts)
-            want[:trained] = 1.0
-            wrong = counts != want
             result = {
-                "exact": bool(not wrong.any()),
-                "min": float(counts[:trained].min()) if trained else 0.0,
-                "max": float(counts.max()),
+                "exact": not any(tally.wrong),
+                "min": tally.low,
+                "max": tally.high,
                 # oracle numbers: samples (of all epochs) counted != once, per epoch too
-                "wrong": int(wrong.sum()), "sum": float(counts.sum()), "want_sum": trained * N,
-                "wrong_by_epoch": {e: int(w) for e, w in enumerate(wrong.sum(dim=1).tolist())
-                                   if w},
+                "wrong": sum(tally.wrong), "sum": tally.total, "want_sum": trained * N,
+                "wrong_by_epoch": {e: w for e, w in enumerate(tally.wrong) if w},
                 "epochs": trained,
                 "identical": len(set(digests)) == 1, "world": dist.get_world_size(),
                 "generation": peer.generation, "rank": peer.rank, "resets": peer.resets,
@@ -724,7 +793,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                 result["steps"] = state.steps
                 result["samples"] = state.samples
                 # the plain value must belong to the same commit as the model
-                result["plain_ok"] = state.samples == float(counts.sum())
+                result["plain_ok"] = state.samples == tally.total
             return result
 
         result = peer.run(train, state)

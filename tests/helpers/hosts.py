@@ -42,6 +42,7 @@ from tests.helpers.netns import (
     run_cmd,
     unavailable_reason,
 )
+from tests.helpers.place import Place
 
 __all__ = ["Host", "Hosts", "NetnsUnavailable", "hosts_or_skip", "unavailable_reason"]
 
@@ -59,12 +60,14 @@ class Host:
     # (cut_from_etcd)
     cut_mode: str = ""
 
+    @property
+    def place(self) -> Place:
+        """This host: its network, hostname and /etc/hosts."""
+        return Place(self.netns, self.name, self.hosts_file)
+
     def exec_args(self, argv: list[str]) -> list[str]:
-        """``argv`` run on this host: its network, hostname and /etc/hosts (same PID)."""
-        script = ('mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"')
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount",
-                "--propagation", "private", "sh", "-c", script, self.hosts_file, self.name,
-                *argv]
+        """``argv`` run on this host (same PID)."""
+        return self.place.exec_args(argv)
 
 
 class Hosts:

@@ -8,7 +8,7 @@ SETTINGS = {
     "PEER_ELASTIC_COLLECTIVE_TIMEOUT": 30,
     "PEER_ELASTIC_MIN_NP": 2,
     "PEER_ELASTIC_LOG_LEVEL": "INFO",
-    "WORKER_EPOCHS": 80,
+    "WORKER_EPOCHS": 400,  # far more than a test trains: each ends through WORKER_END_FILE
     "WORKER_SAMPLES": 480,
     "WORKER_STEP_S": 0.03,
 }

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tests.helpers.place import Place
+
 _CMD_TIMEOUT_S = 15.0
 
 
@@ -173,9 +175,14 @@ class Netns:
 
     # -- using ----------------------------------------------------------------------------------
 
+    @property
+    def place(self) -> Place:
+        """Inside the namespace (a peer there: :class:`tests.helpers.procs.PeerProc`)."""
+        return Place(self.name)
+
     def exec_args(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace (``ip netns exec`` execs it: same PID)."""
-        return ["ip", "netns", "exec", self.name, *argv]
+        return self.place.exec_args(argv)
 
     def cut_etcd(self) -> None:
         """Partition the namespace from etcd (the etcd link only)."""

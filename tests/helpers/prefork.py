@@ -21,7 +21,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
+
+from tests.helpers.place import Place
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = "tests.helpers.prefork_server"
@@ -29,7 +32,8 @@ SERVER = "tests.helpers.prefork_server"
 ENABLE_ENV = "PEER_ELASTIC_TEST_PREFORK"
 #: Variables only read after a peer started (its settings, the worker's knobs, pytest's
 #: note of the current test): they may differ between the peers of one server.
-READ_LATER = ("PEER_ELASTIC_", "WORKER_", "GROUP_PROC_", "PYTEST_CURRENT_TEST")
+READ_LATER = ("PEER_ELASTIC_", "WORKER_", "GROUP_PROC_", "PYTEST_CURRENT_TEST",
+              "GLOO_SOCKET_IFNAME")
 #: Servers per startup environment, taken in turn.
 SERVERS_PER_GROUP = 2
 #: Startup environments with servers of their own; peers of any other are their own
@@ -38,11 +42,12 @@ MAX_GROUPS = 3
 START_TIMEOUT_S = 120.0
 
 
-def start(argv: list[str], env: Mapping[str, str], cwd: Path = ROOT) -> ForkedProcess | None:
+def start(argv: list[str], env: Mapping[str, str], cwd: Path = ROOT,
+          place: Place | None = None) -> ForkedProcess | None:
     """``argv`` (``[sys.executable, "-m", module, *args]``) started as a fork of one of this
-    process's servers, or None where it must be started as a program of its own (see the
-    module doc)."""
-    return _pool.start(argv, env, cwd)
+    process's servers, in ``place`` (a network namespace, a host) where one is given, or
+    None where it must be started as a program of its own (see the module doc)."""
+    return _pool.start(argv, env, cwd, place)
 
 
 def startup_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -139,8 +144,8 @@ class Server:
         if not self._ready.wait(START_TIMEOUT_S) or self._failure:
             raise RuntimeError(f"the prefork server did not start: {self._failure}")
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str],
-              cwd: Path) -> ForkedProcess:
+    def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: Path,
+              place: Place | None = None) -> ForkedProcess:
         self.wait_ready()
         import json
 
@@ -149,7 +154,8 @@ class Server:
         try:
             conn.connect(self.path)
             request = json.dumps({"module": module, "args": args, "env": env,
-                                  "cwd": str(cwd)}).encode()
+                                  "cwd": str(cwd),
+                                  "place": None if place is None else asdict(place)}).encode()
             socket.send_fds(conn, [request], [write_fd])
             pid = int(conn.recv(64))
         except BaseException:
@@ -173,14 +179,15 @@ class Pool:
         self._groups: dict[tuple[tuple[str, str], ...], list[Server]] = {}
         self._turn = 0
 
-    def start(self, argv: list[str], env: Mapping[str, str],
-              cwd: Path = ROOT) -> ForkedProcess | None:
+    def start(self, argv: list[str], env: Mapping[str, str], cwd: Path = ROOT,
+              place: Place | None = None) -> ForkedProcess | None:
         if os.environ.get(ENABLE_ENV, "1") == "0":
             return None
         if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
             return None
         server = self._server_for(env)
-        return None if server is None else server.spawn(argv[2], argv[3:], dict(env), cwd)
+        return (None if server is None
+                else server.spawn(argv[2], argv[3:], dict(env), cwd, place))
 
     def _server_for(self, env: Mapping[str, str]) -> Server | None:
         """The next server of ``env``'s group (started on first use); None when there are

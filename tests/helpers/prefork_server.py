@@ -13,12 +13,15 @@ What Python and the libraries read from the environment when they start (PYTHON*
 OMP_NUM_THREADS, ...) was read by the server: the client (tests/helpers/prefork.py) keeps
 one server for each such environment, so only the variables a peer reads later differ.
 
+A peer may be asked to run elsewhere on this machine (``place``: a network namespace, a
+test "host"): it moves there itself, before its module runs (tests/helpers/place.py).
+
 Protocol, on a Unix ``SOCK_SEQPACKET`` socket: a client connects and sends one request (JSON:
-``module``, ``args``, ``env``, ``cwd``) with the descriptor for the peer's output attached;
-the server answers ``<pid>`` once it forked, and the peer's exit code (``-<signal>`` when
-a signal ended it) once it exited; the client then answers, or closes, and only then is the
-peer reaped. The server ends when its stdin closes (its client is gone) and
-every peer it started has exited. It listens in a directory of its own, which it removes
+``module``, ``args``, ``env``, ``cwd``, ``place``) with the descriptor for the peer's output
+attached; the server answers ``<pid>`` once it forked, and the peer's exit code
+(``-<signal>`` when a signal ended it) once it exited; the client then answers, or closes,
+and only then is the peer reaped. The server ends when its stdin closes (its client is gone)
+and every peer it started has exited. It listens in a directory of its own, which it removes
 then; ``READY <socket path>`` on its stdout says it listens.
 """
 
@@ -33,6 +36,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from tests.helpers.place import Place
+
 #: What the server imports before it forks (not peer_elastic: that imports gRPC).
 PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data")
 MAX_REQUEST = 1 << 20
@@ -45,6 +50,7 @@ class Request:
     env: dict[str, str]
     cwd: str
     output_fd: int
+    place: Place | None  # where it runs (a network namespace, a host), else here
 
 
 def serve(sock_path: str) -> Request | None:
@@ -95,8 +101,9 @@ def serve(sock_path: str) -> Request | None:
                     conn.close()
                     if open_for_requests:
                         listener.close()
+                    place = fields.get("place")
                     return Request(fields["module"], fields["args"], fields["env"],
-                                   fields["cwd"], fds[0])
+                                   fields["cwd"], fds[0], None if place is None else Place(**place))
                 os.close(fds[0])
                 pidfd = os.pidfd_open(pid)
                 peers[pidfd] = conn
@@ -138,6 +145,8 @@ def become(req: Request) -> None:
     os.dup2(req.output_fd, 1)
     os.dup2(req.output_fd, 2)
     os.close(req.output_fd)
+    if req.place is not None:  # where `ip netns exec` would have started it
+        req.place.enter()
     os.chdir(req.cwd)
     os.environ.clear()
     os.environ.update(req.env)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tests.helpers import prefork
 from tests.helpers.at_exit import PREFIX as THREADS_AT_EXIT
+from tests.helpers.place import Place
 from tests.helpers.worker_lines import results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,10 +28,11 @@ class PeerProc:
 
     def __init__(self, args: list[str], env: dict[str, str], name: str,
                  stacks_signal: int | None = None, forked: bool = False,
-                 pool: prefork.Pool | None = None) -> None:
+                 pool: prefork.Pool | None = None, place: Place | None = None) -> None:
         """``forked``: a ``python -m`` peer may be started as a fork of a process that has
         imported torch already (tests/helpers/prefork.py), which spares it that import;
-        by a server of ``pool``, or else of the pool this pytest process shares."""
+        by a server of ``pool``, or else of the pool this pytest process shares.
+        ``place``: it runs there (a network namespace, another host's namespaces)."""
         self.name = name
         # A signal the process answers by writing every thread's stack (faulthandler), sent
         # when it does not exit in time, so the failure says where it hangs.
@@ -40,10 +42,10 @@ class PeerProc:
         self.cond = threading.Condition()
         proc = None
         if forked:
-            proc = (pool.start(args, env, ROOT) if pool is not None
-                    else prefork.start(args, env, ROOT))
+            proc = (pool.start(args, env, ROOT, place) if pool is not None
+                    else prefork.start(args, env, ROOT, place))
         self.proc: subprocess.Popen[str] | prefork.ForkedProcess = proc or subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            args if place is None else place.exec_args(args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -212,19 +214,17 @@ class Cluster:
             self.env[k] = str(v)
         self.peers: list[PeerProc] = []
 
-    def start(self, n: int = 1, module: str = WORKER,
-              wrap: Callable[[list[str]], list[str]] | None = None, where: str = "",
-              **extra_env: object) -> list[PeerProc]:
-        """Start ``n`` peers; ``wrap`` turns the command into one run elsewhere (another
-        host's namespaces, :meth:`tests.helpers.hosts.Host.exec_args`), named ``where``."""
+    def start(self, n: int = 1, module: str = WORKER, place: Place | None = None,
+              where: str = "", **extra_env: object) -> list[PeerProc]:
+        """Start ``n`` peers, in ``place`` where one is given (another host's namespaces,
+        :attr:`tests.helpers.hosts.Host.place`), named ``where``."""
         out = []
         for _ in range(n):
             env = dict(self.env, **{k: str(v) for k, v in extra_env.items()})
             argv = [sys.executable, "-m", module]
-            p = PeerProc(argv if wrap is None else wrap(argv), env,
-                         f"peer{len(self.peers)}{'@' + where if where else ''}",
+            p = PeerProc(argv, env, f"peer{len(self.peers)}{'@' + where if where else ''}",
                          stacks_signal=signal.SIGUSR1 if module in STACKS_ON_SIGUSR1 else None,
-                         forked=wrap is None)
+                         forked=True, place=place)
             self.peers.append(p)
             out.append(p)
         return out

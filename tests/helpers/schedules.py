@@ -477,8 +477,9 @@ def events_from_env(default: int) -> int:
 
 def epoch_cap(n_events: int) -> int:
     """WORKER_EPOCHS: far more than the schedule needs (the job is ended by WORKER_END_FILE
-    once the schedule is done; the cap only sizes the oracle's per-epoch rows)."""
-    return 30 + 8 * n_events
+    once the schedule is done; the cap only sizes the oracle's per-epoch summaries, which
+    no step pays for)."""
+    return 120 + 32 * n_events
 
 
 # --- the runner --------------------------------------------------------------------------------
