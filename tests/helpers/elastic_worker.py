@@ -611,7 +611,10 @@ def _main(stall_stacks: StallStacks | None) -> int:
         def rebuild_ddp() -> None:
             # Each generation has a new process group: DDP must be rebuilt on it.
             group = dist.new_group(list(range(dist.get_world_size()))) if DDP_SUBGROUP else None
-            ddp = nn.parallel.DistributedDataParallel(Both(counter, net), process_group=group)
+            # No buffer broadcast at each forward: the model's only buffers are the oracle's
+            # summaries, equal on every rank by construction (the state keeps them in step).
+            ddp = nn.parallel.DistributedDataParallel(Both(counter, net), process_group=group,
+                                                      broadcast_buffers=False)
             if DDP_HOOK:
                 ddp.register_comm_hook(group, pe.allreduce_hook)
             holder["ddp"] = ddp
