@@ -114,12 +114,18 @@ def poll(what: str, find: Callable[[], object], timeout: float) -> object:
     return found
 
 
-def measured(client: EtcdClient, job: str, size: int) -> None:
+def measured(client: EtcdClient, job: str, size: int) -> float:
     """Wait until the group has measured its pace and the cooldown is over, so that a
-    slowdown from now on is judged from its start."""
-    poll("pace record", lambda: (doc := job_status(client, job))["pace"] is not None
-         and doc["world_size"] == size, 60)
+    slowdown from now on is judged from its start. Returns the slowdown that makes a
+    peer's step about three times as long at that pace (for :class:`SlowCompute`)."""
+    doc = poll("pace record", lambda: (d := job_status(client, job))["pace"] is not None
+               and d["world_size"] == size and d, 60)
     time.sleep(COOLDOWN_S)  # the time must pass: nobody is judged before
+    # A fixed slowdown would be another factor on every machine and load, and the first
+    # exchange after a sudden F-fold slowdown comes about F seconds later (the period the
+    # group agreed at the old pace runs out first): the tests time what follows it. The
+    # pace's step is a check's, two of the worker's steps (it commits every second one).
+    return max(0.1, doc["pace"]["step_s"])  # type: ignore[index]
 
 
 def start(cluster: Cluster, n: int, end: Path, **env: object) -> list[PeerProc]:
@@ -135,12 +141,12 @@ def test_a_throttled_peer_is_reported_once_within_the_window(
                   WORKER_SLOW_DIR=tmp_path)
     slow = peers[2]
     member = member_of(slow)
-    measured(client, unique_job, 4)
-    # Its compute slowed (a throttled GPU): 0.4 s more per step, where a step of four peers
-    # on a 2-core machine takes about 0.25 s, its own part less. A whole process stopped and
-    # continued is found too (the tests below), later: stopped inside a collective, its
-    # time counts as a wait, as a slow network's would.
-    with SlowCompute(tmp_path, slow.pid, extra_s=0.4):
+    extra_s = measured(client, unique_job, 4)
+    # Its compute slowed (a throttled GPU): each step about three times as long, the extra
+    # all its own time. A whole process stopped and continued is found too (the tests
+    # below), later: stopped inside a collective, its time counts as a wait, as a slow
+    # network's would.
+    with SlowCompute(tmp_path, slow.pid, extra_s=extra_s):
         began = time.time()
         found = poll("straggler event", lambda: straggler_events(client, unique_job), 60)
         status = job_status(client, unique_job)
@@ -221,9 +227,9 @@ def test_a_slowdown_shorter_than_the_window_is_no_straggler(
                   PEER_ELASTIC_STRAGGLER_WINDOW=window, WORKER_SLOW_DIR=tmp_path)
     slow = peers[1]
     member = member_of(slow)
-    measured(client, unique_job, 4)
+    extra_s = measured(client, unique_job, 4)
     # Its compute slowed, as in the report test: measured slow within seconds, every time.
-    with SlowCompute(tmp_path, slow.pid, extra_s=0.4):
+    with SlowCompute(tmp_path, slow.pid, extra_s=extra_s):
         # Slow long enough to be measured slow (its score shown), well under the window.
         poll("its slow score in status", lambda: any(
             m["id"] == member and (m["straggler_score"] or 0) >= THRESHOLD
@@ -244,8 +250,8 @@ def test_two_peers_at_min_np_keep_their_straggler(
                   PEER_ELASTIC_MIN_NP=2, WORKER_SLOW_DIR=tmp_path)
     slow = peers[1]
     member = member_of(slow)
-    measured(client, unique_job, 2)
-    with SlowCompute(tmp_path, slow.pid, extra_s=0.4):
+    extra_s = measured(client, unique_job, 2)
+    with SlowCompute(tmp_path, slow.pid, extra_s=extra_s):
         found = poll("straggler event", lambda: straggler_events(client, unique_job), 60)
         wait_more_steps(peers[0], 5)
     event = found[0]  # type: ignore[index]
