@@ -45,8 +45,8 @@ class PeerProc:
             proc = (pool.start(args, env, ROOT, place) if pool is not None
                     else prefork.start(args, env, ROOT, place))
         self.proc: subprocess.Popen[str] | prefork.ForkedProcess = proc or subprocess.Popen(
-            args if place is None else place.exec_args(args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            args if place is None else place.exec_args(args), cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
