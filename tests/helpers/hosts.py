@@ -65,10 +65,6 @@ class Host:
         """This host: its network, hostname and /etc/hosts."""
         return Place(self.netns, self.name, self.hosts_file)
 
-    def exec_args(self, argv: list[str]) -> list[str]:
-        """``argv`` run on this host (same PID)."""
-        return self.place.exec_args(argv)
-
 
 class Hosts:
     """``n`` namespaces on one bridge; see the module docstring. A context manager."""

@@ -180,10 +180,6 @@ class Netns:
         """Inside the namespace (a peer there: :class:`tests.helpers.procs.PeerProc`)."""
         return Place(self.name)
 
-    def exec_args(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside the namespace (``ip netns exec`` execs it: same PID)."""
-        return self.place.exec_args(argv)
-
     def cut_etcd(self) -> None:
         """Partition the namespace from etcd (the etcd link only)."""
         if self.cut_mode == "drop":
