@@ -676,7 +676,8 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     state.optimizer.zero_grad()
                     state.adam.zero_grad()
                     x = torch.sin(idx.to(torch.float32)[:, None] * torch.arange(1, 9))
-                    before = counter.counted() if PLAIN else 0.0
+                    # a step adds to the current row only: its sum is the step's count
+                    before = float(counter.counts.detach().sum()) if PLAIN else 0.0
                     if USE_DDP:
                         counts, y = holder["ddp"](idx, x)
                     else:
@@ -688,7 +689,7 @@ def _main(stall_stacks: StallStacks | None) -> int:
                     state.adam.step()
                     if PLAIN:
                         state.steps += 1
-                        state.samples += counter.counted() - before
+                        state.samples += float(counter.counts.detach().sum()) - before
                     if RECORD == "indices":
                         state.sampler.record_indices(idx)
                     else:
