@@ -1,7 +1,7 @@
 """The suite run over several pytest-xdist workers: how many, and the tests that run alone.
 
-Most tests share the machine: they spend their time waiting on peers, timeouts and etcd, so
-two of them at once finish sooner. A test marked ``alone`` runs with no other test at the
+Most tests share the machine, one per core: each keeps about a core busy with its peers
+(the suite is bound by CPU, measured). A test marked ``alone`` runs with no other test at the
 same time (it loads the CPU on purpose, or measures how long something takes); the workers
 coordinate through :class:`RunLock`, a readers-writer lock on files every worker of one run
 shares.
